@@ -1,0 +1,68 @@
+"""EngineConfig: every knob of one engine, validated once, with the reason for each default."""
+
+import os
+from functools import cached_property
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(
+        "default",
+        description="'default' (the embedded SmolLM2 GGUF), a .gguf file, an HF directory or a Hub repo id.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="'auto': bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    num_kv_blocks: int | None = Field(
+        None, ge=2, description="Fixed block count; None sizes the cache from kv_cache_memory_gib."
+    )
+    kv_cache_memory_gib: float = Field(
+        1.0, gt=0, description="KV cache budget when num_kv_blocks is None (SmolLM2 bf16: ~45k tokens per GiB)."
+    )
+    max_num_seqs: int = Field(128, ge=1, description="Most sequences in one step's batch.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget per step; longer prompts are prefilled in chunks."
+    )
+    max_model_len: int | None = Field(None, ge=1, description="None: the model's own context length.")
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads; None uses every core this process may run on."
+    )
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
+
+    @cached_property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @cached_property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+    @cached_property
+    def threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,207 @@
+"""LLMEngine: add_request / step / abort over the scheduler, model runner and sampler.
+
+One step reads like the design: schedule -> run the model -> sample -> append tokens.
+The engine is single-stepped by one thread; `add_request` and `abort` may be called
+from others (they take the lock, which a step releases while the model runs).
+"""
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence as Seq
+
+import torch
+
+from app.engine.block_manager import BlockManager
+from app.engine.config import EngineConfig
+from app.engine.model_runner import ModelRunner, kv_bytes_per_block
+from app.engine.sampler import Sampler
+from app.engine.scheduler import Scheduler
+from app.engine.sequence import Sequence
+from app.engine.stats import EngineStats
+from app.models.arch import ArchConfig
+from app.models.attention import select_backend
+from app.models.loader import load_model
+from app.models.source import resolve_model
+from app.protocol.errors import InvalidRequestError
+from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta
+from app.protocol.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.threads)
+        self.source = resolve_model(config.model)
+        backend = select_backend(config.attention_backend, config.torch_device)
+        loaded = load_model(
+            self.source, backend, config.torch_dtype, config.torch_device, config.max_model_len
+        )
+        self.arch: ArchConfig = loaded.arch
+        self.max_model_len = loaded.max_model_len
+        num_blocks = config.num_kv_blocks or max(
+            2,
+            int(config.kv_cache_memory_gib * 2**30)
+            // kv_bytes_per_block(loaded.model, config.block_size, config.torch_dtype),
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.arch.eos_token_ids,
+        )
+        self.runner = ModelRunner(config, loaded.model, backend, num_blocks)
+        self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._aborted: list[TokenDelta] = []
+        self._lock = threading.RLock()
+        self.stats = EngineStats()
+        self._refresh_stats()
+
+    # ---- requests -----------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises InvalidRequestError (or ContextLengthExceededError)
+        when it can never be served."""
+        prompt = list(prompt_token_ids)
+        bad = next((t for t in prompt if not 0 <= t < self.arch.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.arch.vocab_size})", param="prompt"
+            )
+        with self._lock:
+            if request_id in self.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            seq = Sequence(request_id, prompt, params, 0, time.monotonic())
+            self.scheduler.add(seq)
+            self.requests[request_id] = [seq]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now: its blocks are freed before this returns."""
+        with self._lock:
+            seqs = self.requests.pop(request_id, None)
+            if seqs is None:
+                return False
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ABORT)
+                    self._aborted.append(self._delta(seq, (), None, FinishReason.ABORT))
+            self._refresh_stats()
+            return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._aborted)
+
+    # ---- one step -----------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        started = time.perf_counter()
+        with self._lock:
+            deltas, self._aborted = self._aborted, []
+            batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return deltas
+        logits, sampled = self.runner.run(batch)
+        with self._lock:
+            self.scheduler.on_computed(batch)
+            rows, seqs = self._expand_forks(sampled)
+            if seqs:
+                result = self.sampler(logits[rows], seqs)
+                for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
+                    self.scheduler.append_token(seq, token)
+                    if lp is not None:
+                        seq.logprobs.append(lp)
+                    deltas.append(self._delta(seq, (token,), lp, seq.finish_reason))
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    self._forget_if_done(delta.request_id)
+            self._refresh_stats(batch.num_tokens, len(batch.seqs), len(seqs))
+            self.stats.last_step_time_s = time.perf_counter() - started
+        return deltas
+
+    def _expand_forks(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """Drop sequences aborted during the forward; fork n > 1 requests at their first
+        token, each child sampling from its parent's logits row."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampled):
+            if seq.is_finished:
+                continue
+            rows.append(row)
+            seqs.append(seq)
+            while seq.pending_forks:
+                index = seq.params.n - seq.pending_forks
+                seq.pending_forks -= 1
+                child = seq.fork(index)
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                self.requests[seq.request_id].append(child)
+                rows.append(row)
+                seqs.append(child)
+        return rows, seqs
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs and all(s.is_finished for s in seqs) and not seqs[0].pending_forks:
+            del self.requests[request_id]
+
+    def _delta(self, seq: Sequence, tokens: tuple[int, ...], lp, reason) -> TokenDelta:  # noqa: ANN001
+        return TokenDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=tokens,
+            logprobs=None if lp is None else (lp,),
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _refresh_stats(self, batch_tokens: int = 0, batch_seqs: int = 0, sampled: int = 0) -> None:
+        s, bm = self.stats, self.block_manager.stats()
+        if batch_seqs:
+            s.num_steps += 1
+            s.batch_num_tokens, s.batch_num_seqs = batch_tokens, batch_seqs
+            s.max_batch_num_seqs = max(s.max_batch_num_seqs, batch_seqs)
+            s.num_generated_tokens += sampled
+            s.num_prompt_tokens += batch_tokens - sampled
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_blocks_total, s.kv_blocks_free = bm.total, bm.free
+        s.kv_blocks_used, s.kv_blocks_cached = bm.used, bm.cached
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_hit_tokens = bm.prefix_hit_tokens
+        s.prefix_cache_query_tokens = bm.prefix_query_tokens
+
+    # ---- offline ------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams],
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (all at once, continuously batched); results in
+        prompt order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            rid = uuid.uuid4().hex
+            self.add_request(rid, prompt, p)
+            results[rid] = RequestOutput(
+                rid, list(prompt), [CompletionOutput(i) for i in range(p.n)]
+            )
+            order.append(rid)
+        while self.has_work:
+            for delta in self.step():
+                out = results[delta.request_id].outputs[delta.index]
+                out.token_ids.extend(delta.token_ids)
+                if delta.logprobs:
+                    out.logprobs = (out.logprobs or []) + list(delta.logprobs)
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+        return [results[r] for r in order]

@@ -1,0 +1,126 @@
+"""Sampler: logits -> next tokens, one row per sequence, batched where it pays.
+
+Order of operations (as in vLLM): raw logprobs are taken from the model's logits;
+then logit_bias, min_tokens masking and penalties; then greedy argmax, or temperature,
+top-k, top-p, min-p and a draw. A draw is argmax(probs / E) with E ~ Exp(1), and a
+seeded sequence draws E from its own generator, so its output never depends on what
+else is in the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.sequence import Sequence
+from app.protocol.outputs import TokenLogprob
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        # logits: (S, V) float32, on CPU
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._adjust(logits, seqs)
+        tokens = self._pick(logits, seqs)
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                if seq.params.logprobs is not None:
+                    logprobs[i] = _token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
+        return SampleResult(token_list, logprobs)
+
+    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        needs = [
+            i
+            for i, s in enumerate(seqs)
+            if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens
+        ]
+        if not needs:
+            return logits
+        logits = logits.clone()
+        for i in needs:
+            seq, row = seqs[i], logits[i]
+            p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.long)
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
+                row.index_add_(0, ids, vals)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
+                row[banned] = float("-inf")
+            if p.needs_penalties:
+                _apply_penalties(row, seq, self.vocab_size)
+        return logits
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        greedy = torch.tensor([s.params.greedy for s in seqs])
+        if bool(greedy.all()):
+            return logits.argmax(dim=-1)
+        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
+        scaled = logits / temps[:, None]
+        scaled = _filter_top_k_top_p(scaled, seqs)
+        probs = torch.softmax(scaled, dim=-1)
+        min_ps = torch.tensor([s.params.min_p for s in seqs])
+        if bool((min_ps > 0).any()):
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < min_ps[:, None] * top, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i].exponential_(generator=seq.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence, vocab_size: int) -> None:
+    p = seq.params
+    out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        # As in transformers/vLLM: over prompt and output; shrink positive logits, grow negative.
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        seen = seen[seen < vocab_size]
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if len(out_ids) and (p.presence_penalty or p.frequency_penalty):
+        # As in OpenAI: over generated tokens only.
+        counts = torch.bincount(out_ids[out_ids < vocab_size], minlength=vocab_size).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    ps = [s.params.top_p for s in seqs]
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab)[None, :]
+    drop = rank >= torch.tensor(ks)[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+    drop |= before > torch.tensor(ps)[:, None]
+    drop[:, 0] = False  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _token_logprob(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top:
+        values, ids = row.topk(num_top)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id, float(row[token_id]), top)

@@ -1,0 +1,171 @@
+"""Scheduler: iteration-level continuous batching with chunked prefill and preemption.
+
+Each step spends a token budget (`max_num_batched_tokens`): running sequences first,
+in arrival order (one token each when decoding, a chunk of the prompt otherwise), then
+waiting ones. When the KV cache runs out, the newest running sequence is preempted:
+its blocks are freed (full ones stay in the prefix cache) and it goes back to the head
+of the queue, to be recomputed later with the same tokens and so the same output.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.engine.block_manager import BlockManager, CopyOnWrite
+from app.engine.sequence import Sequence, SequenceStatus
+from app.protocol.errors import ContextLengthExceededError, InvalidRequestError
+from app.protocol.outputs import FinishReason
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    copies: list[CopyOnWrite] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- admission ----------------------------------------------------------------
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(num_prompt_tokens, max_tokens, self.max_model_len)
+        bm = self.block_manager
+        if bm.blocks_needed(num_prompt_tokens + max_tokens) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"{num_prompt_tokens + max_tokens} tokens need more KV cache blocks than the "
+                f"{bm.num_blocks} blocks of {bm.block_size} tokens this server has",
+                param="max_tokens",
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork joins the batch directly: its KV is already there."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.is_finished or seq not in self.running:
+                continue  # preempted as a victim earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, n, batch):
+                preempted = True
+                continue
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        if not preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Preempt the newest unscheduled running sequences until `seq` fits; False if
+        `seq` itself had to go."""
+        while not self.block_manager.can_append(seq, n):
+            victim = next((s for s in reversed(self.running) if s not in batch.seqs), None)
+            if victim is None or victim is seq:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                bm.allocate_cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_append(seq, n):
+                bm.free(seq)  # give back the prefix hits; try again next step
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        cow = self.block_manager.append_slots(seq, n)
+        if cow is not None:
+            batch.copies.append(cow)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the forward pass ---------------------------------------------------
+    def on_computed(self, batch: ScheduledBatch) -> None:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is SequenceStatus.RUNNING:  # not aborted meanwhile
+                seq.num_computed_tokens += n
+                self.block_manager.register_computed(seq)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Append a sampled token; finish the sequence if it should stop."""
+        seq.token_ids.append(token_id)
+        params = seq.params
+        n_out = seq.num_output_tokens
+        reason = None
+        if n_out >= params.min_tokens and (
+            (not params.ignore_eos and token_id in self.eos_token_ids)
+            or token_id in params.stop_token_ids
+        ):
+            reason = FinishReason.STOP
+        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.finish(seq, reason)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,1 @@
+"""Model definitions (Llama family), weight loaders and the architecture registry."""

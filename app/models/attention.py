@@ -1,0 +1,80 @@
+"""The attention backend interface: how a model reads and writes the paged KV cache.
+
+The model runner describes each forward once as a BatchLayout; the backend turns it
+into whatever metadata its kernels need (`build_metadata`, once per step) and then
+runs every layer's attention with it (`forward`). Backends own the KV cache layout.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One forward pass, sequence by sequence.
+
+    Invariants: sequences with one query token (decodes) come first, `num_decodes` of
+    them; query tokens are laid out sequence after sequence in that order; a sequence's
+    query tokens are the last `query_lens[i]` of its `context_lens[i]` cached tokens.
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]  # cache slot (block * block_size + offset) of each query token
+    num_decodes: int
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's K (and, separately, V) cache tensor."""
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, num_kv_heads: int, device: torch.device) -> Any:
+        """Tensors shared by every layer of one forward pass."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, nh, hd)
+        k: torch.Tensor,  # (T, nkv, hd)
+        v: torch.Tensor,  # (T, nkv, hd)
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k and v into the cache, then attend; returns (T, nh, hd)."""
+
+    def copy_blocks(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy whole blocks (copy-on-write). Blocks are the leading dimension by default."""
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """'auto' picks FlashAttention on CUDA when it imports, else the torch backend."""
+    from app.models.torch_attention import TorchPagedAttention
+
+    if name in ("auto", "flash") and device.type == "cuda":
+        try:
+            from app.models.flash_attention import FlashAttentionBackend
+
+            return FlashAttentionBackend()
+        except ImportError:
+            if name == "flash":
+                raise
+    if name in ("auto", "torch", "flash"):
+        return TorchPagedAttention()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,182 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Tokens of all sequences in a step are flattened into one (T, hidden) batch; attention
+is the only place that knows where one sequence ends and the next begins, through the
+backend metadata passed into `forward`.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.arch import ArchConfig
+from app.models.attention import AttentionBackend
+from app.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers (normalise in float32, scale in the model dtype).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.rope = rope
+        self.backend = backend
+        # Bound by the model runner once the cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, rope, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), attn_metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, rope, backend) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.layers:
+            h = layer(positions, h, attn_metadata)
+        return self.norm(h)
+
+
+# HF checkpoint name -> (our fused parameter, which part of it)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, backend, max_positions)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        attn_metadata: Any,
+        logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
+    ) -> torch.Tensor:
+        h = self.model(input_ids, positions, attn_metadata)
+        return self.lm_head(h[logits_indices]).float()  # (S, vocab)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (fused) parameters; returns the names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise KeyError(f"unexpected tensor {name!r}")
+            param = params[target]
+            dest = param.data if shard is None else self._shard_view(param.data, target, shard)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                names.update(f"{name}#{i}" for i in range(3))
+            elif name.endswith("gate_up_proj.weight"):
+                names.update(f"{name}#{i}" for i in range(2))
+            else:
+                names.add(name)
+        return names
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, int | None]:
+        for hf_part, (ours, shard) in _STACKED.items():
+            if f".{hf_part}." in name:
+                return name.replace(hf_part, ours), shard
+        return name, None
+
+    def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        arch = self.arch
+        if "qkv_proj" in target:
+            sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        else:
+            sizes = [arch.intermediate_size, arch.intermediate_size]
+        offset = sum(sizes[:shard])
+        return data.narrow(0, offset, sizes[shard])

@@ -1,0 +1,87 @@
+"""load_model: config, architecture check, weights, dtype and device, in one call."""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.models.arch import ArchConfig
+from app.models.attention import AttentionBackend
+from app.models.llama import LlamaForCausalLM
+from app.models.source import ModelSource
+from app.models.weights import iter_weights
+from app.protocol.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ArchConfig
+    source: ModelSource
+    max_model_len: int
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        if source.is_gguf:
+            return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+        return AutoConfig.from_pretrained(str(source.directory))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(source.name, f"cannot read its config: {exc}") from exc
+
+
+def read_arch(source: ModelSource) -> ArchConfig:
+    return ArchConfig.from_hf(load_hf_config(source), source.name)
+
+
+def load_model(
+    source: ModelSource,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    """Load weights into our model. `max_model_len` (None: the model's own) sizes the
+    RoPE tables and is capped at the model's context length."""
+    arch = read_arch(source)
+    max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, backend, max_positions)
+    # Materialise on the target device without initialising (weights come next);
+    # the RoPE tables are buffers computed at construction, so rebuild them for real.
+    model = model.to_empty(device=device)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _rebuild_rope(model, arch, max_positions, device)
+    try:
+        loaded = model.load_weights(iter_weights(source, arch))
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(source.name, f"corrupt or mismatched weights: {exc}") from exc
+    missing = model.expected_weights() - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:5])
+        raise ModelLoadError(source.name, f"{len(missing)} weights missing from the checkpoint: {shown}")
+    model = model.to(dtype=dtype)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.model.layers:  # cos/sin stay float32 whatever the model dtype
+        layer.self_attn.rope.float()
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %s) on %s", source.name, arch.architecture, dtype, device)
+    return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
+
+
+def _rebuild_rope(
+    model: LlamaForCausalLM, arch: ArchConfig, max_positions: int, device: torch.device
+) -> None:
+    from app.models.rope import RotaryEmbedding
+
+    with torch.device(device):
+        rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+    for layer in model.model.layers:
+        layer.self_attn.rope = rope

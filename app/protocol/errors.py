@@ -1,0 +1,46 @@
+"""Typed errors raised at the engine's boundary; each dialect maps them to its own JSON."""
+
+
+class ShoalError(Exception):
+    """Base class. `status_code` is the HTTP status a dialect should answer with."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(ShoalError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt plus the requested output can never fit in the model's context."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        requested = num_prompt_tokens + max_tokens
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens, but "
+            f"{requested} tokens were requested ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion).",
+            param="max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+        )
+
+
+class ModelLoadError(ShoalError):
+    """A model could not be loaded: unknown architecture, missing file, corrupt weights."""
+
+    status_code = 500
+    error_type = "model_load_error"
+
+    def __init__(self, model: str, problem: str) -> None:
+        super().__init__(f"cannot load model {model!r}: {problem}")
+        self.model = model
+        self.problem = problem

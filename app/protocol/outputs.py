@@ -1,0 +1,53 @@
+"""What the engine hands back: token deltas while streaming, one result when done."""
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token id, or (in the ingress) a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one output sequence since the previous delta.
+
+    `index` is the output's position among a request's `n` outputs. The last delta
+    of an output carries its `finish_reason`; earlier ones carry None.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's `n` outputs, complete."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Everything an offline `generate` call produced for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)

@@ -1,0 +1,52 @@
+"""SamplingParams: how to pick tokens and when to stop, validated once at the edge."""
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling settings. temperature 0 means greedy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n: int = Field(1, ge=1, le=128, description="Independent outputs sharing the prompt's KV.")
+    max_tokens: int = Field(16, ge=1, description="Most tokens to generate per output.")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop ids are masked until this many.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int | None = Field(None, description="Same seed, same output, whatever the batch.")
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return the chosen token's logprob and this many alternatives."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias has a negative token id {token_id}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100]")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
