@@ -25,13 +25,17 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Fixed block count; None sizes the cache from kv_cache_memory_gib."
     )
     kv_cache_memory_gib: float = Field(
-        1.0, gt=0, description="KV cache budget when num_kv_blocks is None (SmolLM2 bf16: ~45k tokens per GiB)."
+        1.0,
+        gt=0,
+        description="KV cache budget when num_kv_blocks is None (SmolLM2 bf16: ~45k tokens per GiB).",
     )
     max_num_seqs: int = Field(128, ge=1, description="Most sequences in one step's batch.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget per step; longer prompts are prefilled in chunks."
     )
-    max_model_len: int | None = Field(None, ge=1, description="None: the model's own context length.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="None: the model's own context length."
+    )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(
         None, ge=1, description="torch threads; None uses every core this process may run on."

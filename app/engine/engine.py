@@ -22,7 +22,7 @@ from app.engine.sequence import Sequence
 from app.engine.stats import EngineStats
 from app.models.arch import ArchConfig
 from app.models.attention import select_backend
-from app.models.loader import load_model
+from app.models.loader import LoadedModel, load_model
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError
 from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta
@@ -32,14 +32,21 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded` reuses weights already in memory (another engine's, in tests); the
+        KV cache is always this engine's own."""
         self.config = config
         torch.set_num_threads(config.threads)
-        self.source = resolve_model(config.model)
-        backend = select_backend(config.attention_backend, config.torch_device)
-        loaded = load_model(
-            self.source, backend, config.torch_dtype, config.torch_device, config.max_model_len
-        )
+        if loaded is None:
+            source = resolve_model(config.model)
+            backend = select_backend(config.attention_backend, config.torch_device)
+            loaded = load_model(
+                source, backend, config.torch_dtype, config.torch_device, config.max_model_len
+            )
+        else:
+            backend = loaded.model.model.layers[0].self_attn.backend
+        self.loaded = loaded
+        self.source = loaded.source
         self.arch: ArchConfig = loaded.arch
         self.max_model_len = loaded.max_model_len
         num_blocks = config.num_kv_blocks or max(
@@ -47,7 +54,9 @@ class LLMEngine:
             int(config.kv_cache_memory_gib * 2**30)
             // kv_bytes_per_block(loaded.model, config.block_size, config.torch_dtype),
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -73,7 +82,8 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < self.arch.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.arch.vocab_size})", param="prompt"
+                f"token id {bad} is outside the vocabulary [0, {self.arch.vocab_size})",
+                param="prompt",
             )
         with self._lock:
             if request_id in self.requests:
@@ -186,7 +196,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run prompts to completion (all at once, continuously batched); results in
         prompt order."""
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        params_list = (
+            [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        )
         results: dict[str, RequestOutput] = {}
         order = []
         for prompt, p in zip(prompts, params_list, strict=True):
@@ -198,6 +210,8 @@ class LLMEngine:
             order.append(rid)
         while self.has_work:
             for delta in self.step():
+                if delta.request_id not in results:
+                    continue  # someone else's request on a shared engine
                 out = results[delta.request_id].outputs[delta.index]
                 out.token_ids.extend(delta.token_ids)
                 if delta.logprobs:

@@ -33,22 +33,24 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         arch = model.arch
-        shape = backend.kv_cache_shape(num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim)
+        shape = backend.kv_cache_shape(
+            num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim
+        )
         self.num_kv_heads = arch.num_kv_heads
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
-        for layer in model.model.layers:
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-            self.k_caches.append(k)
-            self.v_caches.append(v)
-        logger.info("KV cache: %d blocks of %d tokens, %s per layer", num_blocks, self.block_size, shape)
+        for _ in model.model.layers:
+            self.k_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s per layer", num_blocks, self.block_size, shape
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward pass. Returns logits (S, vocab) in float32 on the CPU for the
         sequences whose next token is due (prompts fully computed), in that order."""
+        self._bind_caches()
         if batch.copies:
             self._copy_blocks(batch)
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
@@ -83,6 +85,11 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         return logits.cpu(), sampled
+
+    def _bind_caches(self) -> None:
+        # Bound per run (30 attribute stores) so engines may share one model's weights.
+        for layer, k, v in zip(self.model.model.layers, self.k_caches, self.v_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
     def _copy_blocks(self, batch: ScheduledBatch) -> None:
         src = torch.tensor([c.src for c in batch.copies], device=self.device)

@@ -40,14 +40,18 @@ class Sampler:
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):
                 if seq.params.logprobs is not None:
-                    logprobs[i] = _token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
+                    logprobs[i] = _token_logprob(
+                        raw_logprobs[i], token_list[i], seq.params.logprobs
+                    )
         return SampleResult(token_list, logprobs)
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         needs = [
             i
             for i, s in enumerate(seqs)
-            if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens
+            if s.params.logit_bias
+            or s.params.needs_penalties
+            or s.num_output_tokens < s.params.min_tokens
         ]
         if not needs:
             return logits
@@ -56,11 +60,15 @@ class Sampler:
             seq, row = seqs[i], logits[i]
             p = seq.params
             if p.logit_bias:
-                ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.long)
+                ids = torch.tensor(
+                    [t for t in p.logit_bias if t < self.vocab_size], dtype=torch.long
+                )
                 vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
                 row.index_add_(0, ids, vals)
             if seq.num_output_tokens < p.min_tokens:
-                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
+                banned = [
+                    t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size
+                ]
                 row[banned] = float("-inf")
             if p.needs_penalties:
                 _apply_penalties(row, seq, self.vocab_size)

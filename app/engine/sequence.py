@@ -70,7 +70,13 @@ class Sequence:
     def fork(self, index: int) -> "Sequence":
         """A sibling output sharing this sequence's tokens (blocks are shared by the
         block manager, not here)."""
-        child = Sequence(self.request_id, self.token_ids[: self.num_prompt_tokens], self.params, index, self.arrival)
+        child = Sequence(
+            self.request_id,
+            self.token_ids[: self.num_prompt_tokens],
+            self.params,
+            index,
+            self.arrival,
+        )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens

@@ -59,7 +59,9 @@ class ArchConfig:
             raise ModelLoadError(model_name, f"unsupported RoPE scaling type {rope_type!r}")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        qkv_bias = SUPPORTED_ARCHITECTURES[arch] or bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = SUPPORTED_ARCHITECTURES[arch] or bool(
+            getattr(hf_config, "attention_bias", False)
+        )
         max_pos = hf_config.max_position_embeddings
         window = getattr(hf_config, "sliding_window", None)
         if arch == "MistralForCausalLM" and window:

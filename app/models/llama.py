@@ -40,7 +40,9 @@ class LlamaAttention(nn.Module):
         )
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = arch.head_dim**-0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias
+        )
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
         self.rope = rope
         self.backend = backend

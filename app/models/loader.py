@@ -8,6 +8,7 @@ import torch
 
 from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
+from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.llama import LlamaForCausalLM
 from app.models.source import ModelSource
 from app.models.weights import iter_weights
@@ -65,13 +66,17 @@ def load_model(
     missing = model.expected_weights() - loaded
     if missing:
         shown = ", ".join(sorted(missing)[:5])
-        raise ModelLoadError(source.name, f"{len(missing)} weights missing from the checkpoint: {shown}")
+        raise ModelLoadError(
+            source.name, f"{len(missing)} weights missing from the checkpoint: {shown}"
+        )
     model = model.to(dtype=dtype)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:  # cos/sin stay float32 whatever the model dtype
         layer.self_attn.rope.float()
     model.eval().requires_grad_(False)
+    if can_prepack(dtype, device):
+        prepack_linears(model)
     logger.info("loaded %s (%s, %s) on %s", source.name, arch.architecture, dtype, device)
     return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
 

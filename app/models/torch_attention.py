@@ -95,7 +95,9 @@ class TorchPagedAttention(AttentionBackend):
         v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
         outputs = []
         if metadata.num_decodes:
-            outputs.append(self._decode(q[: metadata.num_decodes], k_cache, v_cache, metadata, scale))
+            outputs.append(
+                self._decode(q[: metadata.num_decodes], k_cache, v_cache, metadata, scale)
+            )
         for span in metadata.prefills:
             outputs.append(self._prefill(q, k, v, k_cache, v_cache, span, scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -142,6 +144,11 @@ class TorchPagedAttention(AttentionBackend):
             ks = k_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx]
             vs = v_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx]
             out = F.scaled_dot_product_attention(
-                qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=span.mask, scale=scale, enable_gqa=True
+                qs,
+                ks.unsqueeze(0),
+                vs.unsqueeze(0),
+                attn_mask=span.mask,
+                scale=scale,
+                enable_gqa=True,
             )
         return out[0].transpose(0, 1)  # (Lq, nh, hd)

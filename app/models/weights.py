@@ -104,4 +104,6 @@ def gguf_to_hf_name(name: str) -> str | None:
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     # Inverse of llama.cpp's convert permute: (nh, 2, hd/2, ...) <- (nh, hd/2, 2, ...)
     shape = w.shape
-    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    return (
+        w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    )

@@ -6,7 +6,13 @@ from app.protocol.errors import (
     ModelLoadError,
     ShoalError,
 )
-from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta, TokenLogprob
+from app.protocol.outputs import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    TokenDelta,
+    TokenLogprob,
+)
 from app.protocol.sampling import SamplingParams
 
 __all__ = [

@@ -25,7 +25,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="Return the chosen token's logprob and this many alternatives."
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return the chosen token's logprob and this many alternatives.",
     )
 
     @model_validator(mode="after")

@@ -1,0 +1,74 @@
+"""The asyncio streaming wrapper: deltas, finish reasons, cancellation frees blocks."""
+
+import asyncio
+
+import pytest
+
+from app.engine.async_engine import AsyncEngine
+from app.protocol import FinishReason, InvalidRequestError, SamplingParams
+from tests.helpers import tiny_engine
+
+
+@pytest.fixture
+def async_engine(tiny_llama):
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_kv_blocks=128))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams):
+    return [d async for d in engine.generate(rid, prompt, params)]
+
+
+def test_streams_match_offline_generate(async_engine):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44], [7] * 9]
+
+    async def main():
+        return await asyncio.gather(
+            *(collect(async_engine, f"r{i}", p, params) for i, p in enumerate(prompts))
+        )
+
+    streams = asyncio.run(main())
+    offline = tiny_engine(async_engine.engine.config.model).generate(prompts, params)
+    for deltas, ref in zip(streams, offline, strict=True):
+        assert [t for d in deltas for t in d.token_ids] == ref.outputs[0].token_ids
+        assert [d.finish_reason for d in deltas][-1] == FinishReason.LENGTH
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert deltas[0].num_prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_n_outputs_each_finish_once(async_engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
+    deltas = asyncio.run(collect(async_engine, "n", [5, 6, 7, 8, 9], params))
+    finished = sorted(d.index for d in deltas if d.finish_reason is not None)
+    assert finished == [0, 1, 2]
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(async_engine):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        received = 0
+        async for _ in async_engine.generate("long", [1, 2, 3, 4], params):
+            received += 1
+            if received == 3:
+                break  # the client went away
+        return received
+
+    assert asyncio.run(main()) == 3
+    engine = async_engine.engine
+    assert "long" not in engine.requests
+    assert engine.block_manager.stats().used == 0
+
+
+def test_bad_request_raises_and_loop_survives(async_engine):
+    async def main():
+        with pytest.raises(InvalidRequestError):
+            await collect(async_engine, "bad", [], SamplingParams())
+        return await collect(
+            async_engine, "good", [1, 2], SamplingParams(temperature=0, max_tokens=2)
+        )
+
+    assert len(asyncio.run(main())) == 2
+    async_engine.check_health()
