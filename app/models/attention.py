@@ -76,5 +76,5 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
             if name == "flash":
                 raise
     if name in ("auto", "torch", "flash"):
-        return TorchPagedAttention()
+        return TorchPagedAttention(device)
     raise ValueError(f"unknown attention backend {name!r}")

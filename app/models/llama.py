@@ -14,7 +14,9 @@ from torch import nn
 
 from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
-from app.models.rope import RotaryEmbedding
+from app.models.rope import RotaryEmbedding, apply_rotary
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, hd)
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +33,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads,
@@ -44,19 +46,23 @@ class LlamaAttention(nn.Module):
             arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias
         )
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
-        self.rope = rope
         self.backend = backend
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        # q and k are adjacent: rotate them in one go as (T, nh + nkv, hd).
+        qk = apply_rotary(
+            qkv[:, : self.q_size + self.kv_size].view(
+                t, self.num_heads + self.num_kv_heads, self.head_dim
+            ),
+            *rope,
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, hd), (T, nkv, hd)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -74,25 +80,27 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, rope, backend)
+        self.self_attn = LlamaAttention(arch, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), attn_metadata)
+    def forward(self, rope: RopeTables, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), attn_metadata)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
-        rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
+        )
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, rope, backend) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -100,8 +108,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary.tables(positions, h.dtype)
         for layer in self.layers:
-            h = layer(positions, h, attn_metadata)
+            h = layer(rope, h, attn_metadata)
         return self.norm(h)
 
 

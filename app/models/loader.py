@@ -72,8 +72,7 @@ def load_model(
     model = model.to(dtype=dtype)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.model.layers:  # cos/sin stay float32 whatever the model dtype
-        layer.self_attn.rope.float()
+    model.model.rotary.float()  # cos/sin stay float32 whatever the model dtype
     model.eval().requires_grad_(False)
     if can_prepack(dtype, device):
         prepack_linears(model)
@@ -87,6 +86,6 @@ def _rebuild_rope(
     from app.models.rope import RotaryEmbedding
 
     with torch.device(device):
-        rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
-    for layer in model.model.layers:
-        layer.self_attn.rope = rope
+        model.model.rotary = RotaryEmbedding(
+            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
+        )

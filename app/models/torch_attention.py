@@ -1,7 +1,9 @@
-"""Paged attention in plain torch: gathers each sequence's blocks, then matmul/SDPA.
+"""Paged attention on torch: SDPA for prefills, a C++ kernel for decodes on CPU.
 
-KV cache layout per layer: (num_blocks, nkv, block_size, hd), so that one gather over
-the (block, kv head) pairs of a block table yields (nkv, L, hd) with no further copy.
+KV cache layout per layer: (num_blocks, nkv, block_size, hd). Decodes read their blocks
+in place through the C++ kernel (app/models/cpu_kernels) when it builds; otherwise, and
+on GPU, one gather over the (block, kv head) pairs of each block table yields
+(nkv, L, hd) with no further copy, followed by two matmuls.
 """
 
 from dataclasses import dataclass
@@ -23,16 +25,26 @@ class PrefillSpan:
 
 @dataclass
 class TorchAttentionMetadata:
+    slots: torch.Tensor  # (T,) int64
     slot_blocks: torch.Tensor  # (T,)
     slot_offsets: torch.Tensor  # (T,)
     num_decodes: int
-    decode_gather_index: torch.Tensor | None  # (D, nkv, nblk)
+    decode_tables: torch.Tensor | None  # (D, nblk) int32, for the C++ kernel
+    decode_lens: torch.Tensor | None  # (D,) int32
+    decode_gather_index: torch.Tensor | None  # (D, nkv, nblk), for the torch path
     decode_mask: torch.Tensor | None  # (D, 1, 1, nblk * block_size) additive, float32
     prefills: list[PrefillSpan]
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.kernels = None
+        if device.type == "cpu":
+            from app.models import cpu_kernels
+
+            self.kernels = cpu_kernels.load()
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -46,19 +58,23 @@ class TorchPagedAttention(AttentionBackend):
         slots = torch.tensor(layout.slot_mapping, dtype=torch.long)
         heads = torch.arange(num_kv_heads)
         d = layout.num_decodes
-        decode_index = decode_mask = None
+        decode_index = decode_mask = decode_tables = decode_lens = None
         if d:
             nblk = max((layout.context_lens[i] + bs - 1) // bs for i in range(d))
-            table = torch.zeros(d, nblk, dtype=torch.long)
-            for i in range(d):
-                row = layout.block_tables[i][:nblk]
-                table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            decode_index = table[:, None, :] * num_kv_heads + heads[None, :, None]
-            lens = torch.tensor(layout.context_lens[:d])
-            hidden = torch.arange(nblk * bs)[None, :] >= lens[:, None]  # (D, L)
-            decode_mask = torch.zeros(d, 1, 1, nblk * bs).masked_fill_(
-                hidden[:, None, None, :], float("-inf")
-            )
+            rows = [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in layout.block_tables[:d]]
+            lens = torch.tensor(layout.context_lens[:d], dtype=torch.int32)
+            if self.kernels is not None:
+                decode_tables = torch.tensor(rows, dtype=torch.int32)
+                decode_lens = lens
+            else:
+                table = torch.tensor(rows, dtype=torch.long)
+                decode_index = (table[:, None, :] * num_kv_heads + heads[None, :, None]).to(device)
+                hidden = torch.arange(nblk * bs)[None, :] >= lens[:, None]  # (D, L)
+                decode_mask = (
+                    torch.zeros(d, 1, 1, nblk * bs)
+                    .masked_fill_(hidden[:, None, None, :], float("-inf"))
+                    .to(device)
+                )
         prefills = []
         start = d
         for i in range(d, len(layout.query_lens)):
@@ -73,11 +89,14 @@ class TorchPagedAttention(AttentionBackend):
             prefills.append(PrefillSpan(start, start + q_len, ctx, index, mask))
             start += q_len
         return TorchAttentionMetadata(
+            slots=slots.to(device),
             slot_blocks=(slots // bs).to(device),
             slot_offsets=(slots % bs).to(device),
             num_decodes=d,
-            decode_gather_index=None if decode_index is None else decode_index.to(device),
-            decode_mask=None if decode_mask is None else decode_mask.to(device),
+            decode_tables=decode_tables,
+            decode_lens=decode_lens,
+            decode_gather_index=decode_index,
+            decode_mask=decode_mask,
             prefills=prefills,
         )
 
@@ -91,13 +110,27 @@ class TorchPagedAttention(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k
-        v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
+        kernels = self.kernels
+        if kernels is not None:
+            kernels.write_kv_cache(k, v, k_cache, v_cache, metadata.slots)
+        else:
+            k_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k
+            v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
         outputs = []
-        if metadata.num_decodes:
+        d = metadata.num_decodes
+        if d and kernels is not None:
             outputs.append(
-                self._decode(q[: metadata.num_decodes], k_cache, v_cache, metadata, scale)
+                kernels.paged_decode_attention(
+                    q[:d].contiguous(),
+                    k_cache,
+                    v_cache,
+                    metadata.decode_tables,
+                    metadata.decode_lens,
+                    scale,
+                )
             )
+        elif d:
+            outputs.append(self._decode(q[:d], k_cache, v_cache, metadata, scale))
         for span in metadata.prefills:
             outputs.append(self._prefill(q, k, v, k_cache, v_cache, span, scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -1,0 +1,201 @@
+"""Offline throughput: Shoal's engine against transformers' `generate`, one process, one run.
+
+Workload (fixed seed): 128 requests, prompt lengths uniform in [16, 512], output lengths
+uniform in [16, 256] with EOS ignored. Shoal takes them all at once (continuous
+batching); transformers runs static batches of 16 in arrival order with left padding,
+each batch generating until its longest request is done (only requested tokens count).
+Both use the same dtype and thread count. Also measured: single-stream decode ms/token
+(32-token prompt, 128 new tokens), TTFT of a 512-token prompt, and peak throughput with
+128 concurrent sequences (128-token prompts, 128 new tokens).
+
+The last line printed is a JSON object with every figure.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine import EngineConfig, LLMEngine  # noqa: E402
+from app.protocol import SamplingParams  # noqa: E402
+
+
+def make_workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        prompt_len = rng.randint(16, 512)
+        out_len = rng.randint(16, 256)
+        work.append(([rng.randrange(100, vocab) for _ in range(prompt_len)], out_len))
+    return work
+
+
+def shoal_offline(engine: LLMEngine, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
+    start = time.perf_counter()
+    outs = engine.generate([p for p, _ in work], params)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def shoal_single_stream(engine: LLMEngine, vocab: int) -> tuple[float, float]:
+    """(decode ms/token, TTFT ms of a 512-token prompt)."""
+    rng = random.Random(1)
+    engine.add_request(
+        "s",
+        [rng.randrange(100, vocab) for _ in range(32)],
+        SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
+    )
+    engine.step()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    decode_ms = (time.perf_counter() - start) * 1000 / steps
+    ttfts = []
+    for _ in range(3):
+        prompt = [rng.randrange(100, vocab) for _ in range(512)]  # fresh: no prefix hit
+        rid = uuid.uuid4().hex
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
+        start = time.perf_counter()
+        while not engine.step():
+            pass
+        ttfts.append((time.perf_counter() - start) * 1000)
+        while engine.has_work:
+            engine.step()
+    return decode_ms, min(ttfts)
+
+
+def shoal_peak(engine: LLMEngine, vocab: int) -> float:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(128)]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def hf_static(
+    model, work: list[tuple[list[int], int]], pad_id: int, batch: int
+) -> tuple[float, int]:
+    start = time.perf_counter()
+    useful = 0
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(o for _, o in chunk)
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        useful += sum(o for _, o in chunk)
+    return time.perf_counter() - start, useful
+
+
+def hf_single_stream(model, vocab: int) -> float:
+    rng = random.Random(1)
+    ids = torch.tensor([[rng.randrange(100, vocab) for _ in range(32)]])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=129, min_new_tokens=129, do_sample=False)
+        t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) * 1000 / 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--skip-hf", action="store_true", help="only Shoal's figures")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=2.0
+        )
+    )
+    dtype = engine.config.torch_dtype
+    vocab = engine.arch.vocab_size
+    print(
+        f"model {engine.source.name}  dtype {dtype}  threads {args.threads}  "
+        f"KV blocks {engine.block_manager.num_blocks}x{engine.config.block_size}"
+    )
+    work = make_workload(args.requests, vocab, seed=0)
+    engine.generate([work[0][0]], SamplingParams(max_tokens=4))  # warm-up
+
+    shoal_s, shoal_tokens = shoal_offline(engine, work)
+    shoal_tok_s = shoal_tokens / shoal_s
+    print(
+        f"shoal   offline: {shoal_tokens} tokens in {shoal_s:.1f}s = {shoal_tok_s:.1f} tok/s "
+        f"(preemptions {engine.stats.num_preemptions})"
+    )
+    single_ms, ttft_ms = shoal_single_stream(engine, vocab)
+    print(f"shoal   single-stream decode: {single_ms:.1f} ms/token   TTFT(512): {ttft_ms:.0f} ms")
+    peak = shoal_peak(engine, vocab)
+    print(f"shoal   peak (128 x 128->128): {peak:.1f} tok/s")
+
+    result = {
+        "model": engine.source.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": args.threads,
+        "shoal_tok_s": round(shoal_tok_s, 1),
+        "single_stream_ms": round(single_ms, 2),
+        "ttft_512_ms": round(ttft_ms, 1),
+        "peak_tok_s": round(peak, 1),
+    }
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        del engine
+        src = EngineConfig(model=args.model)
+        from app.models.source import resolve_model
+
+        source = resolve_model(src.model)
+        kwargs = {"gguf_file": source.gguf_file} if source.is_gguf else {}
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(source.directory), dtype=dtype, **kwargs
+        ).eval()
+        hf_s, hf_tokens = hf_static(hf, work, pad_id=0, batch=args.hf_batch)
+        hf_tok_s = hf_tokens / hf_s
+        print(
+            f"hf      static batches of {args.hf_batch}: {hf_tokens} tokens in {hf_s:.1f}s = {hf_tok_s:.1f} tok/s"
+        )
+        hf_ms = hf_single_stream(hf, vocab)
+        print(f"hf      single-stream decode: {hf_ms:.1f} ms/token")
+        result.update(
+            hf_tok_s=round(hf_tok_s, 1),
+            ratio=round(shoal_tok_s / hf_tok_s, 2),
+            hf_single_stream_ms=round(hf_ms, 2),
+        )
+        print(f"ratio (shoal / transformers): {result['ratio']:.2f}x")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
