@@ -125,6 +125,7 @@ def hf_single_stream(model, vocab: int) -> float:
 
 
 def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -117,12 +117,18 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if not batch.seqs:
             return deltas
+        prefill_tokens = sum(
+            max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
         logits, sampled = self.runner.run(batch)
         with self._lock:
             self.scheduler.on_computed(batch)
             rows, seqs = self._expand_forks(sampled)
             if seqs:
-                result = self.sampler(logits[rows], seqs)
+                if rows != list(range(len(sampled))):
+                    logits = logits[rows]
+                result = self.sampler(logits, seqs)
                 for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
                     self.scheduler.append_token(seq, token)
                     if lp is not None:
@@ -131,7 +137,7 @@ class LLMEngine:
             for delta in deltas:
                 if delta.finish_reason is not None:
                     self._forget_if_done(delta.request_id)
-            self._refresh_stats(batch.num_tokens, len(batch.seqs), len(seqs))
+            self._refresh_stats(batch.num_tokens, len(batch.seqs), len(seqs), prefill_tokens)
             self.stats.last_step_time_s = time.perf_counter() - started
         return deltas
 
@@ -172,14 +178,16 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
-    def _refresh_stats(self, batch_tokens: int = 0, batch_seqs: int = 0, sampled: int = 0) -> None:
+    def _refresh_stats(
+        self, batch_tokens: int = 0, batch_seqs: int = 0, sampled: int = 0, prefill_tokens: int = 0
+    ) -> None:
         s, bm = self.stats, self.block_manager.stats()
         if batch_seqs:
             s.num_steps += 1
             s.batch_num_tokens, s.batch_num_seqs = batch_tokens, batch_seqs
             s.max_batch_num_seqs = max(s.max_batch_num_seqs, batch_seqs)
             s.num_generated_tokens += sampled
-            s.num_prompt_tokens += batch_tokens - sampled
+            s.num_prompt_tokens += prefill_tokens
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_blocks_total, s.kv_blocks_free = bm.total, bm.free

@@ -19,7 +19,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
-    num_prompt_tokens: int = 0  # computed (prefilled) tokens, all steps
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefilled), all steps
     num_generated_tokens: int = 0
     last_step_time_s: float = 0.0
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
+from app.models.cpu_linear import PackedLinear, linear_add
 from app.models.rope import RotaryEmbedding, apply_rotary
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, hd)
@@ -27,9 +28,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers (normalise in float32, scale in the model dtype).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.dtype != torch.float32:  # one fused op; float32 keeps transformers' exact steps
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32
 
 
 class LlamaAttention(nn.Module):
@@ -51,7 +53,10 @@ class LlamaAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, rope: RopeTables, x: torch.Tensor, attn_metadata: Any, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """Returns residual + attention(x)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
         # q and k are adjacent: rotate them in one go as (T, nh + nkv, hd).
@@ -64,7 +69,7 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, hd), (T, nkv, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return linear_add(self.o_proj, out.reshape(t, self.q_size), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -73,10 +78,25 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.fused: tuple[PackedLinear, PackedLinear] | None = None  # (gate, up), see fuse_for_cpu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Returns residual + mlp(x)."""
+        if self.fused is not None:
+            gate, up = self.fused
+            h = up.mul(x, gate.swish(x))  # silu(gate(x)) * up(x), in the GEMM epilogues
+        else:
+            g, u = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            h = F.silu(g) * u
+        return linear_add(self.down_proj, h, residual)
+
+    def fuse_for_cpu(self) -> None:
+        """Split gate/up into two prepacked layers whose epilogues apply silu and the
+        product, and prepack the down projection (bf16 on CPU only)."""
+        gate_w, up_w = self.gate_up_proj.weight.detach().split(self.intermediate_size, dim=0)
+        self.fused = (PackedLinear.from_weight(gate_w), PackedLinear.from_weight(up_w))
+        del self.gate_up_proj
+        self.down_proj = PackedLinear(self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,8 +108,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch)
 
     def forward(self, rope: RopeTables, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), attn_metadata)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(rope, self.input_layernorm(h), attn_metadata, residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaModel(nn.Module):

@@ -39,7 +39,7 @@ class TorchAttentionMetadata:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.kernels = None
         if device.type == "cpu":
             from app.models import cpu_kernels

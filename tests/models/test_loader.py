@@ -152,3 +152,22 @@ def _hf_config_of(source: ModelSource):
     from app.models.loader import load_hf_config
 
     return load_hf_config(source)
+
+
+def test_bf16_prepacked_and_fused_layers_match_plain_ones(tmp_path: Path, monkeypatch):
+    from app.models import cpu_linear, loader
+
+    if not cpu_linear.can_prepack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN prepacking is not available in this torch build")
+    directory = save_tiny_checkpoint(tmp_path, tie_word_embeddings=True)
+    ids = [3, 17, 99, 4, 250, 8, 8, 61, 12, 140]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    packed_engine = tiny_engine(directory, dtype="bfloat16")
+    assert isinstance(packed_engine.loaded.model.lm_head, cpu_linear.PackedLinear)
+    packed = packed_engine.generate([ids], params)[0].outputs[0]
+    monkeypatch.setattr(loader, "can_prepack", lambda *a: False)
+    plain = tiny_engine(directory, dtype="bfloat16").generate([ids], params)[0].outputs[0]
+    first_packed, first_plain = packed.logprobs[0], plain.logprobs[0]
+    assert first_packed.token_id == first_plain.token_id
+    for (tp, lp), (tq, lq) in zip(first_packed.top, first_plain.top, strict=True):
+        assert abs(lp - lq) < 0.05

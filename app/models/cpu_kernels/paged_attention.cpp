@@ -41,6 +41,48 @@ inline void axpy(float* acc, float w, const scalar_t* v, int64_t n) {
   for (int64_t d = 0; d < n; d += 16)
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(wv, load16(v + d), _mm512_loadu_ps(acc + d)));
 }
+
+// exp(x) for x <= 0 (Cephes-style: x = n ln2 + r, 2^n * P(r)); relative error ~1e-7.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                  _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline void softmax(float* row, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + j));
+  float m = _mm512_reduce_max_ps(mx);
+  for (; j < n; ++j) m = std::max(m, row[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), mv));
+    _mm512_storeu_ps(row + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  float total = _mm512_reduce_add_ps(sum);
+  for (; j < n; ++j) {
+    row[j] = std::exp(row[j] - m);
+    total += row[j];
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
+  for (; j < n; ++j) row[j] *= 1.f / total;
+}
 #else
 constexpr bool kVectorized = false;
 template <typename scalar_t>
@@ -53,6 +95,17 @@ inline float dot(const float* q, const scalar_t* k, int64_t n) {
 template <typename scalar_t>
 inline void axpy(float* acc, float w, const scalar_t* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += w * static_cast<float>(v[d]);
+}
+
+inline void softmax(float* row, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] = std::exp(row[j] - m);
+    total += row[j];
+  }
+  for (int64_t j = 0; j < n; ++j) row[j] /= total;
 }
 #endif
 
@@ -89,18 +142,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           for (int64_t g = 0; g < G; ++g)
             scores[g * ctx + start + t] = dot(qf.data() + g * hd, kb + t * hd, hd);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * ctx;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, row[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < ctx; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < ctx; ++j) row[j] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * ctx, ctx);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
         const scalar_t* vb = vp + table[b] * block_stride + h * head_stride;
