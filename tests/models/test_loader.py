@@ -169,5 +169,7 @@ def test_bf16_prepacked_and_fused_layers_match_plain_ones(tmp_path: Path, monkey
     plain = tiny_engine(directory, dtype="bfloat16").generate([ids], params)[0].outputs[0]
     first_packed, first_plain = packed.logprobs[0], plain.logprobs[0]
     assert first_packed.token_id == first_plain.token_id
-    for (tp, lp), (tq, lq) in zip(first_packed.top, first_plain.top, strict=True):
-        assert abs(lp - lq) < 0.05
+    plain_top = dict(first_plain.top)
+    shared = [(t, lp) for t, lp in first_packed.top if t in plain_top]
+    assert len(shared) >= 4
+    assert all(abs(lp - plain_top[t]) < 0.05 for t, lp in shared)
