@@ -124,6 +124,29 @@ def hf_single_stream(model, vocab: int) -> float:
     return ((t2 - t1) - (t1 - t0)) * 1000 / 128
 
 
+def load_transformers_dense(model: str, dtype: torch.dtype):
+    """transformers' own model, dense, in `dtype`. For a GGUF file transformers would keep
+    the weights quantized and compute through its own kernels; for a like-for-like
+    baseline we build its dense model and hand it the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    from app.models.arch import ArchConfig
+    from app.models.loader import load_hf_config
+    from app.models.source import resolve_model
+    from app.models.weights import iter_weights
+
+    source = resolve_model(model)
+    if not source.is_gguf:
+        return AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype).eval()
+    config = load_hf_config(source)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = dict(iter_weights(source, ArchConfig.from_hf(config, source.name)))
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    return hf.eval()
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -171,17 +194,8 @@ def main() -> None:
         "peak_tok_s": round(peak, 1),
     }
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
         del engine
-        src = EngineConfig(model=args.model)
-        from app.models.source import resolve_model
-
-        source = resolve_model(src.model)
-        kwargs = {"gguf_file": source.gguf_file} if source.is_gguf else {}
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(source.directory), dtype=dtype, **kwargs
-        ).eval()
+        hf = load_transformers_dense(args.model, dtype)
         hf_s, hf_tokens = hf_static(hf, work, pad_id=0, batch=args.hf_batch)
         hf_tok_s = hf_tokens / hf_s
         print(

@@ -1,9 +1,12 @@
-"""Paged attention on torch: SDPA for prefills, a C++ kernel for decodes on CPU.
+"""Paged attention for CPU (C++ kernels) with a plain-torch path for everything else.
 
-KV cache layout per layer: (num_blocks, nkv, block_size, hd). Decodes read their blocks
-in place through the C++ kernel (app/models/cpu_kernels) when it builds; otherwise, and
-on GPU, one gather over the (block, kv head) pairs of each block table yields
-(nkv, L, hd) with no further copy, followed by two matmuls.
+KV cache layout per layer: (num_blocks, nkv, block_size, hd).
+
+- CPU with the kernels built (app/models/cpu_kernels): decodes and prefill chunks read
+  their keys and values in place from the blocks named by each block table.
+- Otherwise (no compiler, or a GPU without FlashAttention): one gather over the
+  (block, kv head) pairs of each block table yields (nkv, L, hd) with no further copy;
+  decodes then use two matmuls, prefills SDPA.
 """
 
 from dataclasses import dataclass
@@ -12,6 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from app.models.attention import AttentionBackend, BatchLayout
+
+
+@dataclass
+class KernelBatch:
+    """Inputs of the C++ kernels for one group of sequences."""
+
+    tables: torch.Tensor  # (S, nblk) int32, padded with 0
+    lens: torch.Tensor  # (S,) int32: cached tokens including this step's
+    starts: torch.Tensor | None = None  # (S + 1,) int32 query offsets, prefills only
 
 
 @dataclass
@@ -29,11 +41,16 @@ class TorchAttentionMetadata:
     slot_blocks: torch.Tensor  # (T,)
     slot_offsets: torch.Tensor  # (T,)
     num_decodes: int
-    decode_tables: torch.Tensor | None  # (D, nblk) int32, for the C++ kernel
-    decode_lens: torch.Tensor | None  # (D,) int32
-    decode_gather_index: torch.Tensor | None  # (D, nkv, nblk), for the torch path
-    decode_mask: torch.Tensor | None  # (D, 1, 1, nblk * block_size) additive, float32
-    prefills: list[PrefillSpan]
+    kernel_decode: KernelBatch | None = None
+    kernel_prefill: KernelBatch | None = None
+    decode_gather_index: torch.Tensor | None = None  # (D, nkv, nblk), torch path
+    decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) additive float32, torch path
+    prefills: list[PrefillSpan] | None = None  # torch path
+
+
+def _padded_tables(tables: list[list[int]], lens: list[int], block_size: int) -> list[list[int]]:
+    nblk = max((n + block_size - 1) // block_size for n in lens)
+    return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -46,60 +63,89 @@ class TorchPagedAttention(AttentionBackend):
 
             self.kernels = cpu_kernels.load()
 
+    @property
+    def has_prefill_kernel(self) -> bool:
+        return self.kernels is not None and self.kernels.has_prefill_kernel()
+
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
+    # ---- metadata -------------------------------------------------------------------
     def build_metadata(
         self, layout: BatchLayout, num_kv_heads: int, device: torch.device
     ) -> TorchAttentionMetadata:
         bs = layout.block_size
         slots = torch.tensor(layout.slot_mapping, dtype=torch.long)
-        heads = torch.arange(num_kv_heads)
-        d = layout.num_decodes
-        decode_index = decode_mask = decode_tables = decode_lens = None
-        if d:
-            nblk = max((layout.context_lens[i] + bs - 1) // bs for i in range(d))
-            rows = [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in layout.block_tables[:d]]
-            lens = torch.tensor(layout.context_lens[:d], dtype=torch.int32)
-            if self.kernels is not None:
-                decode_tables = torch.tensor(rows, dtype=torch.int32)
-                decode_lens = lens
-            else:
-                table = torch.tensor(rows, dtype=torch.long)
-                decode_index = (table[:, None, :] * num_kv_heads + heads[None, :, None]).to(device)
-                hidden = torch.arange(nblk * bs)[None, :] >= lens[:, None]  # (D, L)
-                decode_mask = (
-                    torch.zeros(d, 1, 1, nblk * bs)
-                    .masked_fill_(hidden[:, None, None, :], float("-inf"))
-                    .to(device)
-                )
-        prefills = []
-        start = d
-        for i in range(d, len(layout.query_lens)):
-            q_len, ctx = layout.query_lens[i], layout.context_lens[i]
-            index = mask = None
-            if ctx > q_len:
-                nblk = (ctx + bs - 1) // bs
-                table = torch.tensor(layout.block_tables[i][:nblk], dtype=torch.long)
-                index = (table[None, :] * num_kv_heads + heads[:, None]).to(device)
-                q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-                mask = (torch.arange(ctx)[None, :] <= q_pos).to(device)
-            prefills.append(PrefillSpan(start, start + q_len, ctx, index, mask))
-            start += q_len
-        return TorchAttentionMetadata(
+        meta = TorchAttentionMetadata(
             slots=slots.to(device),
             slot_blocks=(slots // bs).to(device),
             slot_offsets=(slots % bs).to(device),
-            num_decodes=d,
-            decode_tables=decode_tables,
-            decode_lens=decode_lens,
-            decode_gather_index=decode_index,
-            decode_mask=decode_mask,
-            prefills=prefills,
+            num_decodes=layout.num_decodes,
+        )
+        d, total = layout.num_decodes, len(layout.query_lens)
+        if d:
+            if self.kernels is not None:
+                meta.kernel_decode = self._kernel_batch(layout, 0, d)
+            else:
+                self._torch_decode(meta, layout, num_kv_heads, device)
+        if total > d:
+            if self.has_prefill_kernel:
+                meta.kernel_prefill = self._kernel_batch(layout, d, total, with_starts=True)
+            else:
+                meta.prefills = self._torch_prefills(layout, num_kv_heads, device)
+        return meta
+
+    @staticmethod
+    def _kernel_batch(
+        layout: BatchLayout, lo: int, hi: int, with_starts: bool = False
+    ) -> KernelBatch:
+        lens = layout.context_lens[lo:hi]
+        tables = _padded_tables(layout.block_tables[lo:hi], lens, layout.block_size)
+        starts = None
+        if with_starts:
+            offsets = [0]
+            for n in layout.query_lens[lo:hi]:
+                offsets.append(offsets[-1] + n)
+            starts = torch.tensor(offsets, dtype=torch.int32)
+        return KernelBatch(
+            torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), starts
         )
 
+    @staticmethod
+    def _torch_decode(
+        meta: TorchAttentionMetadata, layout: BatchLayout, nkv: int, device: torch.device
+    ) -> None:
+        d, bs = layout.num_decodes, layout.block_size
+        lens = layout.context_lens[:d]
+        table = torch.tensor(_padded_tables(layout.block_tables[:d], lens, bs), dtype=torch.long)
+        meta.decode_gather_index = (table[:, None, :] * nkv + torch.arange(nkv)[None, :, None]).to(
+            device
+        )
+        length = table.shape[1] * bs
+        hidden = torch.arange(length)[None, :] >= torch.tensor(lens)[:, None]  # (D, L)
+        mask = torch.zeros(d, 1, 1, length).masked_fill_(hidden[:, None, None, :], float("-inf"))
+        meta.decode_mask = mask.to(device)
+
+    @staticmethod
+    def _torch_prefills(layout: BatchLayout, nkv: int, device: torch.device) -> list[PrefillSpan]:
+        bs, spans, start = layout.block_size, [], layout.num_decodes
+        for i in range(layout.num_decodes, len(layout.query_lens)):
+            q_len, ctx = layout.query_lens[i], layout.context_lens[i]
+            index = mask = None
+            if ctx > q_len:
+                table = torch.tensor(
+                    layout.block_tables[i][: (ctx + bs - 1) // bs], dtype=torch.long
+                )
+                index = (table[None, :] * nkv + torch.arange(nkv)[:, None]).to(device)
+                q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+                mask = (torch.arange(ctx)[None, :] <= q_pos).to(device)
+            spans.append(PrefillSpan(start, start + q_len, ctx, index, mask))
+            start += q_len
+        return spans
+
+    # ---- attention ------------------------------------------------------------------
     def forward(
         self,
         q: torch.Tensor,
@@ -110,28 +156,30 @@ class TorchPagedAttention(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        kernels = self.kernels
+        kernels, d = self.kernels, metadata.num_decodes
         if kernels is not None:
             kernels.write_kv_cache(k, v, k_cache, v_cache, metadata.slots)
         else:
             k_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k
             v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
         outputs = []
-        d = metadata.num_decodes
-        if d and kernels is not None:
+        if metadata.kernel_decode is not None:
+            kb = metadata.kernel_decode
             outputs.append(
                 kernels.paged_decode_attention(
-                    q[:d].contiguous(),
-                    k_cache,
-                    v_cache,
-                    metadata.decode_tables,
-                    metadata.decode_lens,
-                    scale,
+                    q[:d].contiguous(), k_cache, v_cache, kb.tables, kb.lens, scale
                 )
             )
         elif d:
             outputs.append(self._decode(q[:d], k_cache, v_cache, metadata, scale))
-        for span in metadata.prefills:
+        if metadata.kernel_prefill is not None:
+            kb = metadata.kernel_prefill
+            outputs.append(
+                kernels.paged_prefill_attention(
+                    q[d:].contiguous(), k_cache, v_cache, kb.tables, kb.lens, kb.starts, scale
+                )
+            )
+        for span in metadata.prefills or ():
             outputs.append(self._prefill(q, k, v, k_cache, v_cache, span, scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 

@@ -109,6 +109,81 @@ inline void softmax(float* row, int64_t n) {
 }
 #endif
 
+
+#if defined(__AVX512F__)
+// One (sequence, kv head) of a decode with G query heads and head_dim = 16 * NC, with
+// queries, each key row and the output accumulators held in registers.
+template <typename scalar_t, int G, int NC>
+void decode_item(const float* qf, const scalar_t* kp, const scalar_t* vp, const int32_t* table,
+                 int64_t ctx, int64_t bs, int64_t block_stride, int64_t head_off, float* scores,
+                 float* out) {
+  constexpr int64_t hd = NC * 16;
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * hd + c * 16);
+  for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
+    const scalar_t* kb = kp + table[b] * block_stride + head_off;
+    const int64_t n = std::min(bs, ctx - start);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = load16(kb + t * hd + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        scores[g * ctx + start + t] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax(scores + g * ctx, ctx);
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
+    const scalar_t* vb = vp + table[b] * block_stride + head_off;
+    const int64_t n = std::min(bs, ctx - start);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = load16(vb + t * hd + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * ctx + start + t]);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * hd + c * 16, acc[g][c]);
+}
+
+template <typename scalar_t>
+using DecodeItemFn = void (*)(const float*, const scalar_t*, const scalar_t*, const int32_t*,
+                              int64_t, int64_t, int64_t, int64_t, float*, float*);
+
+template <typename scalar_t, int NC>
+DecodeItemFn<scalar_t> pick_by_group(int64_t G) {
+  switch (G) {
+    case 1: return decode_item<scalar_t, 1, NC>;
+    case 2: return decode_item<scalar_t, 2, NC>;
+    case 3: return decode_item<scalar_t, 3, NC>;
+    case 4: return decode_item<scalar_t, 4, NC>;
+    case 5: return decode_item<scalar_t, 5, NC>;
+    case 6: return decode_item<scalar_t, 6, NC>;
+    case 7: return decode_item<scalar_t, 7, NC>;
+    case 8: return decode_item<scalar_t, 8, NC>;
+    default: return nullptr;
+  }
+}
+
+template <typename scalar_t>
+DecodeItemFn<scalar_t> pick_decode_item(int64_t G, int64_t hd) {
+  switch (hd) {
+    case 32: return pick_by_group<scalar_t, 2>(G);
+    case 64: return pick_by_group<scalar_t, 4>(G);
+    case 128: return pick_by_group<scalar_t, 8>(G);
+    default: return nullptr;
+  }
+}
+#endif
+
 template <typename scalar_t>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
@@ -125,6 +200,9 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t block_stride = nkv * bs * hd, head_stride = bs * hd;
   const float fscale = static_cast<float>(scale);
 
+#if defined(__AVX512F__)
+  const DecodeItemFn<scalar_t> fast = pick_decode_item<scalar_t>(G, hd);
+#endif
   at::parallel_for(0, D * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
     for (int64_t w = begin; w < end; ++w) {
@@ -135,6 +213,15 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < hd; ++d)
           qf[g * hd + d] = static_cast<float>(qp[(s * nh + h * G + g) * hd + d]) * fscale;
+#if defined(__AVX512F__)
+      if (fast != nullptr) {
+        fast(qf.data(), kp, vp, table, ctx, bs, block_stride, h * head_stride, scores.data(), acc.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < hd; ++d)
+            op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
+        continue;
+      }
+#endif
       for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
         const scalar_t* kb = kp + table[b] * block_stride + h * head_stride;
         const int64_t n = std::min(bs, ctx - start);
@@ -182,6 +269,148 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
   });
 }
 
+
+#if defined(__AVX512F__)
+
+// acc = acc * alpha + sum_j p[j] * v[j]; the hd/16 accumulators stay in registers.
+template <int NC>
+inline void accumulate_pv_fixed(float* acc, float alpha, const float* p, const float* v, int64_t n) {
+  __m512 a[NC];
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), av);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * NC * 16 + c * 16), a[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+}
+
+inline void accumulate_pv(float* acc, float alpha, const float* p, const float* v, int64_t n, int64_t hd) {
+  switch (hd) {
+    case 64: return accumulate_pv_fixed<4>(acc, alpha, p, v, n);
+    case 128: return accumulate_pv_fixed<8>(acc, alpha, p, v, n);
+    case 32: return accumulate_pv_fixed<2>(acc, alpha, p, v, n);
+    default: break;
+  }
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int64_t d = 0; d < hd; d += 16) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d), av);
+    for (int64_t j = 0; j < n; ++j)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * hd + d), a);
+    _mm512_storeu_ps(acc + d, a);
+  }
+}
+
+// Prefill (several query tokens per sequence), flash-attention style: work items are
+// (sequence, kv head, tile of up to 16 query tokens); each item walks the key blocks it
+// may see (causal), 16 keys at a time, keeping an online softmax per query row. Keys are
+// transposed into a (hd, 16) float tile once per chunk so scores need no horizontal sums.
+template <typename scalar_t>
+void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
+             const at::Tensor& starts, double scale) {
+  constexpr int64_t R = 16;  // query tokens per tile
+  const int64_t nh = q.size(1), hd = q.size(2);
+  const int64_t nkv = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t G = nh / nkv, max_blocks = tables.size(1), S = lens.size(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int64_t block_stride = nkv * bs * hd, head_stride = bs * hd;
+  const float fscale = static_cast<float>(scale);
+
+  struct Item { int64_t seq, head, tile; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = 0; t < sp[s + 1] - sp[s]; t += R)
+      for (int64_t h = 0; h < nkv; ++h) items.push_back({s, h, t});
+  // Costliest (latest) tiles first so that dynamic scheduling balances the threads.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tile > b.tile; });
+
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    constexpr int64_t kChunk = 32;  // keys per step of the online softmax
+    std::vector<float> qf(G * R * hd), acc(G * R * hd), kt(hd * kChunk), vf(kChunk * hd);
+    std::vector<float> m(G * R), l(G * R);
+    alignas(64) float pbuf[32];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      const Item it = items[w];
+      const int64_t qs = sp[it.seq], n = sp[it.seq + 1] - qs, ctx = lp[it.seq];
+      const int64_t rows_tok = std::min(R, n - it.tile);
+      const int64_t first_pos = ctx - n + it.tile;  // position of the tile's first token
+      const int32_t* table = tp + it.seq * max_blocks;
+      const int64_t rows = G * rows_tok;  // row r: head g = r / rows_tok, token i = r % rows_tok
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = r / rows_tok, i = r % rows_tok;
+        const scalar_t* src = qp + ((qs + it.tile + i) * nh + it.head * G + g) * hd;
+        for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = static_cast<float>(src[d]) * fscale;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * hd, 0.f);
+      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      const int64_t kv_end = first_pos + rows_tok;  // keys visible to the tile's last token
+      for (int64_t start = 0; start < kv_end;) {
+        const int64_t nk = std::min<int64_t>(kChunk, kv_end - start);
+        // Gather this chunk's keys (transposed, as floats) and values, block by block.
+        for (int64_t j = 0; j < kChunk; ++j) {
+          if (j >= nk) {
+            for (int64_t d = 0; d < hd; ++d) kt[d * kChunk + j] = 0.f;
+            continue;
+          }
+          const int64_t pos = start + j;
+          const int64_t base = table[pos / bs] * block_stride + it.head * head_stride + (pos % bs) * hd;
+          for (int64_t d = 0; d < hd; ++d) kt[d * kChunk + j] = static_cast<float>(kp[base + d]);
+          for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(vf.data() + j * hd + d, load16(vp + base + d));
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + r % rows_tok;
+          const int64_t visible = std::min<int64_t>(nk, pos - start + 1);
+          if (visible <= 0) continue;
+          const float* qr = qf.data() + r * hd;
+          // Two halves of 16 keys, two partial sums each: four independent FMA chains.
+          __m512 lo0 = _mm512_setzero_ps(), lo1 = lo0, hi0 = lo0, hi1 = lo0;
+          for (int64_t d = 0; d < hd; d += 2) {
+            const __m512 q0 = _mm512_set1_ps(qr[d]), q1 = _mm512_set1_ps(qr[d + 1]);
+            lo0 = _mm512_fmadd_ps(q0, _mm512_loadu_ps(kt.data() + d * kChunk), lo0);
+            hi0 = _mm512_fmadd_ps(q0, _mm512_loadu_ps(kt.data() + d * kChunk + 16), hi0);
+            lo1 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt.data() + (d + 1) * kChunk), lo1);
+            hi1 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt.data() + (d + 1) * kChunk + 16), hi1);
+          }
+          const float neg_inf = -std::numeric_limits<float>::infinity();
+          const __mmask16 keep_lo = static_cast<__mmask16>(visible >= 16 ? 0xFFFFu : (1u << visible) - 1u);
+          const __mmask16 keep_hi = static_cast<__mmask16>(visible <= 16 ? 0u : (visible >= 32 ? 0xFFFFu : (1u << (visible - 16)) - 1u));
+          const __m512 s_lo = _mm512_mask_blend_ps(keep_lo, _mm512_set1_ps(neg_inf), _mm512_add_ps(lo0, lo1));
+          const __m512 s_hi = _mm512_mask_blend_ps(keep_hi, _mm512_set1_ps(neg_inf), _mm512_add_ps(hi0, hi1));
+          const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi)));
+          const __m512 mv = _mm512_set1_ps(m_new);
+          const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, exp16(_mm512_sub_ps(s_lo, mv)));
+          const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, exp16(_mm512_sub_ps(s_hi, mv)));
+          const float alpha = std::exp(m[r] - m_new);
+          l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+          m[r] = m_new;
+          _mm512_store_ps(pbuf, p_lo);
+          _mm512_store_ps(pbuf + 16, p_hi);
+          accumulate_pv(acc.data() + r * hd, alpha, pbuf, vf.data(), visible, hd);
+        }
+        start += nk;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = r / rows_tok, i = r % rows_tok;
+        scalar_t* dst = op + ((qs + it.tile + i) * nh + it.head * G + g) * hd;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<scalar_t>(acc[r * hd + d] * inv);
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 #define SHOAL_DISPATCH(TYPE, NAME, ...)                                     \
@@ -203,6 +432,34 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& context_lens, const at::Tensor& query_starts,
+                                   double scale) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+              query_starts.scalar_type() == at::kInt);
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(2) % 16 == 0);
+  auto out = at::empty_like(q);
+  SHOAL_DISPATCH(q.scalar_type(), "paged_prefill", [&] {
+    prefill<scalar_t>(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(),
+                      query_starts.contiguous(), scale);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512");
+#endif
+}
+
+bool has_prefill_kernel() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
@@ -215,5 +472,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention, one query token per sequence");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention over query chunks");
+  m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is compiled in");
   m.def("write_kv_cache", &write_kv_cache, "scatter new keys and values into their cache slots");
 }
