@@ -15,9 +15,8 @@ from torch import nn
 from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
 from app.models.cpu_linear import PackedLinear, linear_add
-from app.models.rope import RotaryEmbedding, apply_rotary
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, hd)
+from app.models.fused_ops import RopeTables, rms_norm, rotate_heads_
+from app.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers (normalise in float32, scale in the model dtype).
-        if x.dtype != torch.float32:  # one fused op; float32 keeps transformers' exact steps
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -59,14 +54,12 @@ class LlamaAttention(nn.Module):
         """Returns residual + attention(x)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
-        # q and k are adjacent: rotate them in one go as (T, nh + nkv, hd).
-        qk = apply_rotary(
-            qkv[:, : self.q_size + self.kv_size].view(
-                t, self.num_heads + self.num_kv_heads, self.head_dim
-            ),
-            *rope,
+        # q and k are adjacent: rotate both in place in one call.
+        rotate_heads_(qkv, rope, self.num_heads + self.num_kv_heads, self.head_dim)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            t, self.num_kv_heads, self.head_dim
         )
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, hd), (T, nkv, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
         return linear_add(self.o_proj, out.reshape(t, self.q_size), residual)
@@ -128,7 +121,7 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.rotary.tables(positions, h.dtype)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
             h = layer(rope, h, attn_metadata)
         return self.norm(h)

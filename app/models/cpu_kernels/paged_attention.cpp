@@ -411,6 +411,52 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 }
 #endif
 
+
+// RMSNorm over the last dimension, float32 arithmetic, any of our dtypes in and out.
+template <typename scalar_t>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t T = x.size(0), H = x.size(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* wp = w.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* row = xp + t * H;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = static_cast<float>(row[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i)
+        op[t * H + i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * (static_cast<float>(row[i]) * inv));
+    }
+  });
+}
+
+// Rotary embedding in place on the first `heads` heads of each row (rotate-half layout).
+template <typename scalar_t>
+void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t T = x.size(0), hd = cos.size(1), half = hd / 2, row_stride = x.stride(0);
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * hd;
+      const float* s = sp + t * hd;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* v = xp + t * row_stride + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
+          v[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
+          v[i + half] = static_cast<scalar_t>(b * c[i + half] + a * s[i + half]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 #define SHOAL_DISPATCH(TYPE, NAME, ...)                                     \
@@ -452,6 +498,21 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 #endif
 }
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type());
+  auto out = at::empty_like(x);
+  SHOAL_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, weight, eps); });
+  return out;
+}
+
+void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: (T, width) with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0));
+  TORCH_CHECK(heads * cos.size(1) <= x.size(1));
+  SHOAL_DISPATCH(x.scalar_type(), "rotary", [&] { rotary_impl<scalar_t>(x, cos, sin, heads); });
+}
+
 bool has_prefill_kernel() {
 #if defined(__AVX512F__)
   return true;
@@ -474,5 +535,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention, one query token per sequence");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention over query chunks");
   m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is compiled in");
+  m.def("rms_norm", &rms_norm, "RMSNorm with float32 arithmetic");
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE applied in place to the leading heads");
   m.def("write_kv_cache", &write_kv_cache, "scatter new keys and values into their cache slots");
 }

@@ -1,0 +1,42 @@
+"""RMSNorm and RoPE with C++ fast paths (app/models/cpu_kernels) for reduced precision on
+CPU, where torch spends more time converting dtypes than computing.
+
+float32 always takes transformers' exact op sequence: the token-identical tests against
+transformers run in float32 and rely on it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from app.models import cpu_kernels
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, hd) float32
+
+
+def _kernels_for(x: torch.Tensor):  # noqa: ANN202 (an extension module or None)
+    if x.dtype == torch.float32 or x.device.type != "cpu":
+        return None
+    return cpu_kernels.load()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kernels = _kernels_for(x)
+    if kernels is not None and x.dim() == 2 and x.is_contiguous():
+        return kernels.rms_norm(x, weight, eps)
+    if x.dtype != torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate_heads_(x: torch.Tensor, rope: RopeTables, heads: int, head_dim: int) -> None:
+    """Apply RoPE in place to the first `heads` heads of each row of x: (T, width)."""
+    cos, sin = rope
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        kernels.rotary_inplace(x, cos, sin, heads)
+        return
+    t, half = x.shape[0], head_dim // 2
+    part = x[:, : heads * head_dim].view(t, heads, head_dim)
+    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # (T, 1, hd)
+    rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+    part.copy_(part * c + rotated * s)

@@ -1,0 +1,42 @@
+"""C++ RMSNorm and RoPE (reduced precision on CPU) against the float32 torch reference."""
+
+import pytest
+import torch
+
+from app.models import cpu_kernels
+from app.models.fused_ops import rms_norm, rotate_heads_
+
+
+@pytest.fixture(autouse=True)
+def need_kernels():
+    if cpu_kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+
+
+def test_rms_norm_matches_float32_reference():
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 96), torch.randn(96)
+    ref = rms_norm(x, w, 1e-5)  # float32: the transformers formula
+    out = rms_norm(x.bfloat16(), w.bfloat16(), 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.02)
+
+
+def test_rotary_in_place_touches_only_the_leading_heads():
+    torch.manual_seed(0)
+    heads, kv_heads, hd, t = 4, 2, 16, 9
+    x = torch.randn(t, (heads + 2 * kv_heads) * hd)
+    angles = torch.rand(t, hd // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref = x.clone()
+    rotate_heads_(ref, (cos, sin), heads + kv_heads, hd)  # float32 torch path
+    out = x.bfloat16()
+    rotate_heads_(out, (cos, sin), heads + kv_heads, hd)
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.02)
+    tail = (heads + kv_heads) * hd
+    assert torch.equal(out[:, tail:], x.bfloat16()[:, tail:])  # v untouched
+    # rotation keeps each (i, i + hd/2) pair's norm
+    first = ref[:, :hd]
+    pairs = first[:, : hd // 2] ** 2 + first[:, hd // 2 :] ** 2
+    orig = x[:, : hd // 2] ** 2 + x[:, hd // 2 : hd] ** 2
+    torch.testing.assert_close(pairs, orig, atol=1e-4, rtol=1e-4)
