@@ -48,8 +48,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one forward pass. Returns logits (S, vocab) in float32 on the CPU for the
-        sequences whose next token is due (prompts fully computed), in that order."""
+        """Run one forward pass. Returns logits (S, vocab) in the model's dtype on the CPU
+        for the sequences whose next token is due (prompts fully computed), in that order."""
         self._bind_caches()
         if batch.copies:
             self._copy_blocks(batch)

@@ -29,7 +29,11 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        # logits: (S, V) float32, on CPU
+        # logits: (S, V) in the model's dtype, on CPU
+        if all(_plain_greedy(s) for s in seqs):
+            # argmax is exact in any dtype: skip the float32 copy of a (S, V) tensor.
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+        logits = logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -92,6 +96,17 @@ class Sampler:
                 noise[i].exponential_(generator=seq.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and not p.needs_penalties
+        and seq.num_output_tokens >= p.min_tokens
+    )
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence, vocab_size: int) -> None:

@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
     ) -> torch.Tensor:
         h = self.model(input_ids, positions, attn_metadata)
-        return self.lm_head(h[logits_indices]).float()  # (S, vocab)
+        return self.lm_head(h[logits_indices])  # (S, vocab), model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters; returns the names filled."""

@@ -173,3 +173,13 @@ def test_bf16_prepacked_and_fused_layers_match_plain_ones(tmp_path: Path, monkey
     shared = [(t, lp) for t, lp in first_packed.top if t in plain_top]
     assert len(shared) >= 4
     assert all(abs(lp - plain_top[t]) < 0.05 for t, lp in shared)
+
+
+def test_unreachable_hub_repo_is_a_clear_error(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="someone/no-such-model.*Hugging Face Hub"):
+        resolve_model("someone/no-such-model")

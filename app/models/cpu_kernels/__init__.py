@@ -1,9 +1,12 @@
-"""C++ kernels for the CPU decode path, compiled on first use (cached by torch).
+"""C++ kernels for CPU inference (paged attention, KV-cache writes, RMSNorm, RoPE),
+compiled on first use with torch's extension builder and cached under
+~/.cache/torch_extensions (about 30 s once per machine).
 
 `load()` returns the compiled module, or None when there is no compiler, the build
 fails, or SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
 """
 
+import hashlib
 import logging
 import os
 import threading
@@ -14,6 +17,15 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
 def load() -> ModuleType | None:
@@ -27,9 +39,10 @@ def load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load as build
 
-            source = Path(__file__).with_name("paged_attention.cpp")
+            source = Path(__file__).with_name("kernels.cpp")
             _module = build(
-                name="shoal_cpu_paged_attention",
+                # -march=native: a build is only valid on CPUs with the same features
+                name=f"shoal_cpu_kernels_{_cpu_signature()}",
                 sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

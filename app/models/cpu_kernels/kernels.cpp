@@ -1,8 +1,12 @@
-// Paged attention for CPU decode steps, and the KV-cache write.
+// Shoal's CPU kernels, built on first use by app/models/cpu_kernels/__init__.py:
+//   paged_decode_attention   one query token per sequence, keys/values read in place
+//   paged_prefill_attention  causal attention of query chunks over their cached context
+//   write_kv_cache           scatter new keys and values into their cache slots
+//   rms_norm, rotary_inplace float32 arithmetic for bf16/fp16 activations
 //
-// Cache layout per layer: [num_blocks, num_kv_heads, block_size, head_dim].
-// Work is split over (sequence, kv head) pairs; each pair reads its keys and values
-// once, straight from the blocks named by the block table (no gathered copy), for all
+// KV cache layout per layer: [num_blocks, num_kv_heads, block_size, head_dim].
+// Attention work is split over (sequence, kv head[, query tile]) items; each item reads
+// its keys and values once, straight from the blocks named by the block table, for all
 // the query heads that share that kv head (GQA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
