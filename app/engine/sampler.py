@@ -31,8 +31,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         # logits: (S, V) in the model's dtype, on CPU
         if all(_plain_greedy(s) for s in seqs):
-            # argmax is exact in any dtype: skip the float32 copy of a (S, V) tensor.
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+            return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(seqs))
         logits = logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
