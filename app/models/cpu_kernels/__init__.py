@@ -9,6 +9,8 @@ fails, or SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
 import hashlib
 import logging
 import os
+import shutil
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +38,11 @@ def load() -> ModuleType | None:
         _tried = True
         if os.environ.get("SHOAL_CPU_KERNELS", "1") == "0":
             return None
+        # torch runs `ninja` from PATH; the one pip installed sits next to our python.
+        if shutil.which("ninja") is None:
+            os.environ["PATH"] = (
+                os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+            )
         try:
             from torch.utils.cpp_extension import load as build
 
