@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(
         None, ge=1, description="torch threads; None uses every core this process may run on."
     )
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch"] = "auto"
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
 
     @cached_property

@@ -64,17 +64,10 @@ class AttentionBackend(ABC):
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto' picks FlashAttention on CUDA when it imports, else the torch backend."""
+    """'auto' and 'torch' give the torch backend (C++ kernels on CPU, gathers + SDPA on
+    GPU). A FlashAttention backend implements the same interface; it is not written yet."""
     from app.models.torch_attention import TorchPagedAttention
 
-    if name in ("auto", "flash") and device.type == "cuda":
-        try:
-            from app.models.flash_attention import FlashAttentionBackend
-
-            return FlashAttentionBackend()
-        except ImportError:
-            if name == "flash":
-                raise
-    if name in ("auto", "torch", "flash"):
+    if name in ("auto", "torch"):
         return TorchPagedAttention(device)
-    raise ValueError(f"unknown attention backend {name!r}")
+    raise ValueError(f"attention backend {name!r} is not available (have: auto, torch)")
