@@ -1,0 +1,1 @@
+"""Text-side postprocessing in the ingress: incremental detokenization and stop strings."""

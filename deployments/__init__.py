@@ -1,0 +1,1 @@
+"""Ray Serve deployments: thin adapters around the engine, tokenizer and embedder."""

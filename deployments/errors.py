@@ -1,0 +1,66 @@
+"""Every error leaves the ingress in OpenAI's shape; this is the one place that maps them."""
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.protocol.errors import ShoalError
+
+logger = logging.getLogger("ray.serve")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def openai_error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": error_type or _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ShoalError)
+    async def _shoal(request: Request, exc: ShoalError) -> JSONResponse:
+        return openai_error(exc.status_code, exc.message, exc.param, error_type=exc.error_type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        return openai_error(
+            400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return openai_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s", request.url.path)
+        return openai_error(500, "internal server error", error_type="server_error")

@@ -1,0 +1,113 @@
+"""From a model replica's token deltas to text: per-output detokenization, stop strings,
+usage counts and logprobs. Used by every dialect's routes."""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.protocol.messages import EngineErrorMessage, GenerateRequest
+from app.protocol.outputs import TokenDelta, TokenLogprob
+from app.protocol.sampling import SamplingParams
+from app.text.detokenizer import IncrementalDetokenizer
+from app.text.stop import StopStrings
+
+
+class StreamError(Exception):
+    def __init__(self, error: EngineErrorMessage) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass
+class OutputState:
+    index: int
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class TextDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+class Generation:
+    """One request in flight: iterate `deltas()` for text pieces; `outputs` fill up."""
+
+    def __init__(
+        self,
+        handle: Any,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        request_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id or uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.outputs = [
+            OutputState(i, IncrementalDetokenizer(tokenizer, prompt_ids), StopStrings(stop))
+            for i in range(params.n)
+        ]
+        self._stream = handle.generate.remote(GenerateRequest(self.request_id, prompt_ids, params))
+        self._first: TokenDelta | EngineErrorMessage | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(o.num_tokens for o in self.outputs)
+
+    async def start(self) -> None:
+        """Wait for the first item so that a refusal becomes a proper HTTP error."""
+        self._first = await self._stream.__anext__()
+        if isinstance(self._first, EngineErrorMessage):
+            raise StreamError(self._first)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        items = self._items()
+        async for item in items:
+            if isinstance(item, EngineErrorMessage):
+                raise StreamError(item)
+            out = self.outputs[item.index]
+            if out.finish_reason is not None:
+                continue  # already cut by a stop string
+            out.num_tokens += len(item.token_ids)
+            text = out.stops.feed(out.detok.add(item.token_ids))
+            lps = list(item.logprobs or ())
+            out.logprobs.extend(lps)
+            reason = None
+            if out.stops.stopped:
+                reason = "stop"
+            elif item.finish_reason is not None:
+                text += out.stops.feed(out.detok.flush())
+                text += out.stops.flush()
+                reason = "stop" if out.stops.stopped else item.finish_reason.value
+                if reason == "abort":
+                    reason = "stop"
+            out.text += text
+            if reason is not None:
+                out.finish_reason = reason
+            if text or reason or lps:
+                yield TextDelta(item.index, text, lps, reason)
+            if all(o.finish_reason is not None for o in self.outputs):
+                self.cancel()  # stop strings ended every output: free the engine's blocks
+                return
+
+    async def _items(self) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for item in self._stream:
+            yield item

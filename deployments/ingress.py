@@ -1,0 +1,125 @@
+"""Ingress: the FastAPI app. Validates, routes by `model`, formats; no model work here."""
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+
+from app.config import AppConfig
+from app.models.source import resolve_model
+from app.models.tokenizer import load_tokenizer
+from app.protocol.errors import ShoalError
+from deployments.errors import install_error_handlers, openai_error
+from deployments.routes.openai import build_router
+
+logger = logging.getLogger("ray.serve")
+
+
+class UnknownModelError(ShoalError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
+    app = FastAPI(title="Shoal", docs_url=None, redoc_url=None)
+    app.include_router(build_router(get_ingress))
+    install_error_handlers(app)
+    if config.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    keys = [k.encode() for k in config.api_keys]
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):  # noqa: ANN001, ANN202
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]  # relative to the app's route prefix
+        if keys and path != "/health":
+            auth = request.headers.get("authorization", "")
+            token = auth[7:].encode() if auth.lower().startswith("bearer ") else b""
+            if not any(hmac.compare_digest(token, k) for k in keys):
+                return openai_error(401, "Invalid or missing API key", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
+            return openai_error(413, f"request body over {config.max_request_bytes} bytes")
+        started = time.perf_counter()
+        try:
+            response = await call_next(request)
+        except BackPressureError:
+            response = openai_error(
+                503, "the server is overloaded, retry later", headers={"Retry-After": "1"}
+            )
+        # Serve's proxy returns the same id as X-Request-Id on every response.
+        logger.info(
+            "%s %s %s %d %.1fms",
+            request_id,
+            request.method,
+            request.url.path,
+            response.status_code,
+            1000 * (time.perf_counter() - started),
+        )
+        return response
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    return app
+
+
+class Ingress:
+    def __init__(
+        self, config: AppConfig, tokenizer: Any, models: dict[str, Any], embedder: Any
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        # Configured once and cached: per-request .options() is slow.
+        self.models = {name: h.options(stream=True) for name, h in models.items()}
+        self.embedder = embedder
+        self.tokenizers = {
+            m.name: load_tokenizer(resolve_model(m.engine.model)) for m in config.models
+        }
+        self.created = int(time.time())
+
+    def require_model(self, name: str) -> None:
+        if name not in self.models:
+            raise UnknownModelError(f"The model '{name}' does not exist", param="model")
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "shoal"}
+
+
+_replica: list[Ingress] = []  # this process's ingress replica (one per Ray actor)
+
+
+def current_ingress() -> Ingress:
+    return _replica[0]
+
+
+def register_replica(ingress: Ingress) -> None:
+    _replica[:] = [ingress]
+
+
+def make_ingress(config: AppConfig):  # noqa: ANN201 (a Serve deployment class)
+    # Module-level functions travel to the replica by reference, so the routes and the
+    # replica meet in that process's copy of this module.
+    app = create_app(config, current_ingress)
+
+    @serve.ingress(app)
+    class ShoalIngress(Ingress):
+        def __init__(self, tokenizer: Any, models: dict[str, Any], embedder: Any) -> None:
+            super().__init__(config, tokenizer, models, embedder)
+            register_replica(self)
+
+    return serve.deployment(ShoalIngress, name="Ingress")

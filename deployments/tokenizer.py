@@ -1,0 +1,36 @@
+"""Tokenizer deployment: chat templates and encoding, one tokenizer per served model."""
+
+from typing import Any
+
+from ray import serve
+
+from app.config import ModelDeploymentConfig
+from app.models.source import resolve_model
+from app.models.tokenizer import load_tokenizer
+from app.protocol.errors import InvalidRequestError
+
+
+class Tokenizer:
+    def __init__(self, models: list[ModelDeploymentConfig]) -> None:
+        self.tokenizers = {m.name: load_tokenizer(resolve_model(m.engine.model)) for m in models}
+
+    def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizers[model](text, add_special_tokens=add_special_tokens).input_ids)
+
+    def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
+        tokenizer = self.tokenizers[model]
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # template errors (e.g. role order) are the client's
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, model: str, token_ids: list[int]) -> str:
+        return self.tokenizers[model].decode(token_ids, skip_special_tokens=True)
+
+
+TokenizerDeployment = serve.deployment(Tokenizer, name="Tokenizer")
