@@ -28,6 +28,9 @@ class ModelServer:
         self, request: GenerateRequest
     ) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
         """Yields each delta as soon as the engine produces it (no batching of chunks)."""
+        logger.info(
+            "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
+        )
         try:
             async for delta in self.engine.generate(
                 request.request_id, request.prompt_token_ids, request.params

@@ -3,6 +3,7 @@
 import base64
 import json
 import struct
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -51,7 +52,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
                 raise InvalidRequestError("streaming supports one prompt per request", "prompt")
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
             for i, ids in enumerate(prompts):
-                gen = await _start(ingress, req.model, ids, params, req.stop_strings)
+                gen = await _start(ingress, req.model, ids, params, req.stop_strings, request, i)
                 async for _ in gen.deltas():
                     pass
                 for out in gen.outputs:
@@ -69,7 +70,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
                 "choices": choices,
                 "usage": usage,
             }
-        gen = await _start(ingress, req.model, prompts[0], params, req.stop_strings)
+        gen = await _start(ingress, req.model, prompts[0], params, req.stop_strings, request)
         if req.stream:
             return _sse(_completion_chunks(ingress, req, gen))
         async for _ in gen.deltas():
@@ -89,7 +90,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
         ids = await ingress.tokenizer.encode_chat.remote(req.model, req.template_messages())
         num_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, ingress.config.max_tokens_default, num_lp)
-        gen = await _start(ingress, req.model, ids, params, req.stop_strings)
+        gen = await _start(ingress, req.model, ids, params, req.stop_strings, request)
         if req.stream:
             return _sse(_chat_chunks(ingress, req, gen))
         async for _ in gen.deltas():
@@ -163,8 +164,22 @@ async def _prompts(ingress: Any, req: CompletionRequest) -> list[list[int]]:
     return [list(x) for x in p]
 
 
-async def _start(ingress: Any, model: str, ids: list[int], params, stop: list[str]) -> Generation:  # noqa: ANN001
-    gen = Generation(ingress.models[model], ingress.tokenizers[model], ids, params, stop)
+async def _start(
+    ingress: Any,
+    model: str,
+    ids: list[int],
+    params,
+    stop: list[str],
+    request: Request,
+    part: int = 0,  # noqa: ANN001
+) -> Generation:
+    # The engine's request id carries the HTTP X-Request-Id so every hop's logs share it;
+    # the suffix keeps it unique when a client reuses an id.
+    http_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = f"{http_id}.{part}.{uuid.uuid4().hex[:6]}"
+    gen = Generation(
+        ingress.models[model], ingress.tokenizers[model], ids, params, stop, request_id
+    )
     try:
         await gen.start()
     except StreamError as exc:

@@ -318,3 +318,15 @@ def test_api_keys_body_limit_and_health(base_url):
         timeout=30,
     )
     assert big.status_code == 413 and "error" in big.json()
+
+
+def test_client_request_id_is_returned(base_url):
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        headers={"X-Request-Id": "trace-me-42"},
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    assert "trace-me-42" in r.headers["x-request-id"]
+    assert r.json()["id"].startswith("cmpl-trace-me-42.")
