@@ -50,6 +50,7 @@ class Generation:
         params: SamplingParams,
         stop: list[str],
         request_id: str | None = None,
+        timer: Any = None,
     ) -> None:
         self.request_id = request_id or uuid.uuid4().hex
         self.created = int(time.time())
@@ -61,6 +62,7 @@ class Generation:
         ]
         self._stream = handle.generate.remote(GenerateRequest(self.request_id, prompt_ids, params))
         self._first: TokenDelta | EngineErrorMessage | None = None
+        self._timer = timer  # TokenTimer or None
 
     @property
     def completion_tokens(self) -> int:
@@ -84,6 +86,8 @@ class Generation:
             if out.finish_reason is not None:
                 continue  # already cut by a stop string
             out.num_tokens += len(item.token_ids)
+            if self._timer is not None and item.token_ids:
+                self._timer.tokens(len(item.token_ids))
             text = out.stops.feed(out.detok.add(item.token_ids))
             lps = list(item.logprobs or ())
             out.logprobs.extend(lps)

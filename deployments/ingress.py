@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -16,6 +16,7 @@ from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer
 from app.protocol.errors import ShoalError
 from deployments.errors import install_error_handlers, openai_error
+from deployments.metrics import IngressMetrics
 from deployments.routes.openai import build_router
 
 logger = logging.getLogger("ray.serve")
@@ -60,6 +61,10 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
             response = openai_error(
                 503, "the server is overloaded, retry later", headers={"Retry-After": "1"}
             )
+        ingress = get_ingress_or_none()
+        if ingress is not None:  # label by route template, never by raw path (cardinality)
+            label = getattr(request.scope.get("route"), "path", "unmatched")
+            ingress.metrics.requests.labels(label, str(response.status_code)).inc()
         # Serve's proxy returns the same id as X-Request-Id on every response.
         logger.info(
             "%s %s %s %d %.1fms",
@@ -74,6 +79,12 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        ingress = get_ingress()
+        await ingress.refresh_replica_stats()
+        return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -91,6 +102,16 @@ class Ingress:
             m.name: load_tokenizer(resolve_model(m.engine.model)) for m in config.models
         }
         self.created = int(time.time())
+        self.metrics = IngressMetrics()
+        self._stats_handles = models
+
+    async def refresh_replica_stats(self) -> None:
+        for name, handle in self._stats_handles.items():
+            try:
+                stats = await handle.stats.remote()
+            except Exception:  # a replica being replaced: report what we have
+                continue
+            self.metrics.set_replica_stats(name, str(stats.get("replica", "0")), stats)
 
     def require_model(self, name: str) -> None:
         if name not in self.models:
@@ -105,6 +126,10 @@ _replica: list[Ingress] = []  # this process's ingress replica (one per Ray acto
 
 def current_ingress() -> Ingress:
     return _replica[0]
+
+
+def get_ingress_or_none() -> Ingress | None:
+    return _replica[0] if _replica else None
 
 
 def register_replica(ingress: Ingress) -> None:

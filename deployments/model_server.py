@@ -43,7 +43,9 @@ class ModelServer:
             yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")
 
     def stats(self) -> dict:
-        return self.engine.engine.stats.as_dict()
+        stats = self.engine.engine.stats.as_dict()
+        stats["replica"] = serve.get_replica_context().replica_id.unique_id
+        return stats
 
     def check_health(self) -> None:
         self.engine.check_health()

@@ -19,6 +19,7 @@ from app.protocol.openai import (
 )
 from deployments.errors import openai_error
 from deployments.generation import Generation, StreamError, TextDelta
+from deployments.metrics import TokenTimer
 
 
 def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
@@ -177,9 +178,11 @@ async def _start(
     # the suffix keeps it unique when a client reuses an id.
     http_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     request_id = f"{http_id}.{part}.{uuid.uuid4().hex[:6]}"
+    timer = TokenTimer(ingress.metrics, model)
     gen = Generation(
-        ingress.models[model], ingress.tokenizers[model], ids, params, stop, request_id
+        ingress.models[model], ingress.tokenizers[model], ids, params, stop, request_id, timer
     )
+    ingress.metrics.prompt_tokens.labels(model).inc(len(ids))
     try:
         await gen.start()
     except StreamError as exc:

@@ -330,3 +330,18 @@ def test_client_request_id_is_returned(base_url):
     assert r.status_code == 200
     assert "trace-me-42" in r.headers["x-request-id"]
     assert r.json()["id"].startswith("cmpl-trace-me-42.")
+
+
+def test_prometheus_metrics(client, base_url):
+    client.completions.create(
+        model=MODEL, prompt="Metrics", max_tokens=4, temperature=0, stream=False
+    )
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    assert 'shoal_requests_total{path="/v1/completions",status="200"}' in text
+    ttft = [
+        ln for ln in text.splitlines() if ln.startswith("shoal_time_to_first_token_seconds_count")
+    ]
+    assert ttft and float(ttft[0].split()[-1]) >= 1
+    assert "shoal_inter_token_latency_seconds_bucket" in text
+    assert f'shoal_kv_cache_usage_ratio{{model="{MODEL}"' in text
+    assert "shoal_prompt_tokens_total" in text

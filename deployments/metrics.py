@@ -1,0 +1,66 @@
+"""Prometheus metrics of the ingress, in a registry of its own (one per replica)."""
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "shoal_requests", "HTTP requests by path and status", ["path", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "shoal_time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "shoal_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("shoal_prompt_tokens", "Prompt tokens", ["model"], registry=r)
+        self.generated_tokens = Counter(
+            "shoal_generation_tokens", "Generated tokens", ["model"], registry=r
+        )
+        labels = ["model", "replica"]
+        self.running = Gauge("shoal_running_requests", "Sequences running", labels, registry=r)
+        self.waiting = Gauge("shoal_waiting_requests", "Sequences waiting", labels, registry=r)
+        self.kv_usage = Gauge(
+            "shoal_kv_cache_usage_ratio", "KV blocks in use / total", labels, registry=r
+        )
+
+    def set_replica_stats(self, model: str, replica: str, stats: dict) -> None:
+        self.running.labels(model, replica).set(stats["num_running"])
+        self.waiting.labels(model, replica).set(stats["num_waiting"])
+        self.kv_usage.labels(model, replica).set(stats["kv_usage"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TokenTimer:
+    """Feeds TTFT and inter-token latency of one request."""
+
+    def __init__(self, metrics: IngressMetrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.started = time.perf_counter()
+        self.last: float | None = None
+
+    def tokens(self, count: int) -> None:
+        now = time.perf_counter()
+        self.metrics.generated_tokens.labels(self.model).inc(count)
+        if self.last is None:
+            self.metrics.ttft.labels(self.model).observe(now - self.started)
+        elif count:
+            self.metrics.itl.labels(self.model).observe((now - self.last) / count)
+        self.last = now
