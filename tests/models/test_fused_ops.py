@@ -9,8 +9,8 @@ from app.models.fused_ops import rms_norm, rotate_heads_
 
 @pytest.fixture(autouse=True)
 def need_kernels():
-    if cpu_kernels.load() is None:
-        pytest.skip("C++ kernels could not be built here")
+    # setup.sh installs ninja and the machine has a compiler: the kernels must build.
+    assert cpu_kernels.load() is not None, "C++ kernels failed to build"
 
 
 def test_rms_norm_matches_float32_reference():
