@@ -44,7 +44,12 @@ def openai_error(
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ShoalError)
     async def _shoal(request: Request, exc: ShoalError) -> JSONResponse:
-        return openai_error(exc.status_code, exc.message, exc.param, error_type=exc.error_type)
+        headers = None
+        if exc.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        return openai_error(
+            exc.status_code, exc.message, exc.param, exc.code, exc.error_type, headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -7,6 +7,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
+
+from app.protocol.errors import OverloadedError
 from app.protocol.messages import EngineErrorMessage, GenerateRequest
 from app.protocol.outputs import TokenDelta, TokenLogprob
 from app.protocol.sampling import SamplingParams
@@ -70,7 +73,16 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for the first item so that a refusal becomes a proper HTTP error."""
-        self._first = await self._stream.__anext__()
+        try:
+            self._first = await self._stream.__anext__()
+        except BackPressureError as exc:
+            # Serve installs its own plain-text handler for this error in the ingress app,
+            # so it is turned into ours here, where the handle call is made.
+            raise OverloadedError(
+                f"model is overloaded: {exc.message} Retry later.",
+                exc.status_code,
+                exc.retry_after_s or 1.0,
+            ) from None
         if isinstance(self._first, EngineErrorMessage):
             raise StreamError(self._first)
 

@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
 from app.config import AppConfig
 from app.models.source import resolve_model
@@ -55,12 +54,7 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
             return openai_error(413, f"request body over {config.max_request_bytes} bytes")
         started = time.perf_counter()
-        try:
-            response = await call_next(request)
-        except BackPressureError:
-            response = openai_error(
-                503, "the server is overloaded, retry later", headers={"Retry-After": "1"}
-            )
+        response = await call_next(request)
         ingress = get_ingress_or_none()
         if ingress is not None:  # label by route template, never by raw path (cardinality)
             label = getattr(request.scope.get("route"), "path", "unmatched")

@@ -6,6 +6,8 @@ class ShoalError(Exception):
 
     status_code: int = 500
     error_type: str = "internal_error"
+    code: str | None = None
+    retry_after_s: float | None = None  # sent as Retry-After when set
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -44,3 +46,16 @@ class ModelLoadError(ShoalError):
         super().__init__(f"cannot load model {model!r}: {problem}")
         self.model = model
         self.problem = problem
+
+
+class OverloadedError(ShoalError):
+    """Every replica of the model is busy and the waiting line is full: retry later."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "overloaded"
+
+    def __init__(self, message: str, status_code: int = 503, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.retry_after_s = retry_after_s

@@ -298,9 +298,11 @@ async def _completion_chunks(
         "created": gen.created,
         "model": req.model,
     }
+    offsets = [0] * req.n  # text_offset runs on across chunks, as in a non-streamed reply
     try:
         if req.echo:
             prompt_text = ingress.tokenizers[req.model].decode(gen.prompt_ids)
+            offsets = [len(prompt_text)] * req.n
             for i in range(req.n):
                 yield {
                     **base,
@@ -316,7 +318,9 @@ async def _completion_chunks(
                 "logprobs": None,
             }
             if req.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(ingress, req.model, d.logprobs, 0)
+                lps = _completion_logprobs(ingress, req.model, d.logprobs, offsets[d.index])
+                choice["logprobs"] = lps
+                offsets[d.index] += sum(len(t) for t in lps["tokens"])
             yield {**base, "choices": [choice]}
         if req.stream_options and req.stream_options.include_usage:
             yield {**base, "choices": [], "usage": _usage(gen)}

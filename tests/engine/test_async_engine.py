@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from app.engine.async_engine import AsyncEngine
+from app.engine.async_engine import AsyncEngine, EngineDeadError
 from app.protocol import FinishReason, InvalidRequestError, SamplingParams
 from tests.helpers import tiny_engine
 
@@ -72,3 +72,47 @@ def test_bad_request_raises_and_loop_survives(async_engine):
 
     assert len(asyncio.run(main())) == 2
     async_engine.check_health()
+
+
+def test_health_fails_when_a_step_hangs(async_engine):
+    """A step that never returns (a deadlocked kernel, a hung collective) is caught."""
+    import threading
+
+    release = threading.Event()
+    real_step = async_engine.engine.step
+
+    def hung_step():
+        release.wait(30)
+        return real_step()
+
+    async_engine.engine.step = hung_step
+
+    async def main():
+        stream = async_engine.generate("hang", [1, 2, 3], SamplingParams(max_tokens=2))
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.5)
+        with pytest.raises(EngineDeadError, match="has not completed a step"):
+            async_engine.check_health(stuck_after_s=0.2)
+        release.set()
+        await task
+        await stream.aclose()
+
+    asyncio.run(main())
+    async_engine.check_health(stuck_after_s=0.2)
+
+
+def test_dead_loop_fails_streams_and_health(async_engine):
+    def broken_step():
+        raise RuntimeError("kernel exploded")
+
+    async_engine.engine.step = broken_step
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await collect(async_engine, "boom", [1, 2, 3], SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    with pytest.raises(EngineDeadError, match="dead"):
+        async_engine.check_health()
+    with pytest.raises(EngineDeadError):  # new requests are refused, never hang
+        asyncio.run(collect(async_engine, "after", [1, 2], SamplingParams(max_tokens=2)))

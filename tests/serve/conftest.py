@@ -34,7 +34,15 @@ def serve_app():
                 "api_keys": ["sk-test-1", "sk-test-2"],
                 "embeddings": {"enabled": False},
                 "max_request_bytes": 4096,
-                "models": [{"name": "secured-model", "num_cpus": 0.5}],
+                # Tight limits so that the overload test can fill them.
+                "models": [
+                    {
+                        "name": "secured-model",
+                        "num_cpus": 0.5,
+                        "max_ongoing_requests": 2,
+                        "max_queued_requests": 1,
+                    }
+                ],
             }
         )
         serve.run(build_app(secured), name="secured", route_prefix="/secured", blocking=False)

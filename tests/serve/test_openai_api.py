@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import json
 import struct
 import time
 
@@ -89,6 +90,16 @@ def test_completion_logprobs_and_n(client):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
     assert all(len(t) == 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    streamed = client.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3, stream=True
+    )
+    offsets, tokens = [], []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs:
+            offsets += chunk.choices[0].logprobs.text_offset
+            tokens += chunk.choices[0].logprobs.tokens
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     two = client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=10, n=2, seed=5
     )
@@ -345,3 +356,39 @@ def test_prometheus_metrics(client, base_url):
     assert "shoal_inter_token_latency_seconds_bucket" in text
     assert f'shoal_kv_cache_usage_ratio{{model="{MODEL}"' in text
     assert "shoal_prompt_tokens_total" in text
+
+
+def test_overload_answers_503_with_retry_after(base_url):
+    """2 running + 1 queued fit; the rest are refused at once instead of queueing."""
+    url = f"{base_url}/secured/v1/chat/completions"
+    headers = {"Authorization": "Bearer sk-test-1"}
+    body = {
+        "model": "secured-model",
+        "messages": [{"role": "user", "content": "Count to a hundred."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def one(client: httpx.AsyncClient) -> tuple[int, str | None, bytes, float]:
+        started = time.perf_counter()
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            raw = await r.aread()
+            return r.status_code, r.headers.get("retry-after"), raw, started
+
+    async def burst() -> list:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(8)))
+
+    results = asyncio.run(burst())
+    statuses = sorted(status for status, *_ in results)
+    assert statuses.count(200) >= 3 and statuses.count(503) >= 1, results
+    assert set(statuses) <= {200, 503}
+    for status, retry_after, raw, _ in results:
+        if status == 503:
+            payload = json.loads(raw)
+            assert retry_after == "1"
+            assert payload["error"]["type"] == "service_unavailable"
+            assert payload["error"]["code"] == "overloaded"
+    after = httpx.post(url, json={**body, "stream": False}, headers=headers, timeout=120)
+    assert after.status_code == 200
