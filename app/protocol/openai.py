@@ -28,6 +28,12 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Extensions that vLLM accepts too (pass them with the SDK's `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     @property
     def stop_strings(self) -> list[str]:
@@ -114,6 +120,11 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty,
         logit_bias=bias,
         logprobs=num_logprobs,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM: -1 is "off"
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
     )
     try:
         return SamplingParams(**fields)

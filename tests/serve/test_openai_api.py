@@ -65,6 +65,26 @@ def test_chat_message_kinds_and_max_completion_tokens(client):
     assert out.usage.completion_tokens <= 5
 
 
+def test_vllm_extensions_ignore_eos_and_top_k(client):
+    # "Hi" makes the model answer in a few tokens and stop; ignore_eos runs to the limit.
+    short = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say OK."}],
+        max_tokens=200,
+        temperature=0,
+    )
+    assert short.usage.completion_tokens < 200
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say OK."}],
+        max_tokens=200,
+        extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert full.usage.completion_tokens == 200 and full.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"top_k": -3})
+
+
 def test_completions_prompt_forms(client):
     one = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
     assert one.choices[0].text and one.usage.prompt_tokens > 0
