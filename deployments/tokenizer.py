@@ -6,7 +6,7 @@ from ray import serve
 
 from app.config import ModelDeploymentConfig
 from app.models.source import resolve_model
-from app.models.tokenizer import load_tokenizer
+from app.models.tokenizer import chat_token_ids, load_tokenizer
 from app.protocol.errors import InvalidRequestError
 
 
@@ -22,12 +22,9 @@ class Tokenizer:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return chat_token_ids(tokenizer, messages)
         except Exception as exc:  # template errors (e.g. role order) are the client's
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     def decode(self, model: str, token_ids: list[int]) -> str:
         return self.tokenizers[model].decode(token_ids, skip_special_tokens=True)

@@ -7,8 +7,6 @@ stops iterating (client gone, task cancelled) the request is aborted in the engi
 its KV blocks are freed before `generate` returns.
 """
 
-import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -17,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from app.engine.engine import LLMEngine
+from app.engine.streams import DeltaStreams
 from app.protocol.outputs import TokenDelta
 from app.protocol.sampling import SamplingParams
 
@@ -31,7 +30,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = DeltaStreams()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._error: BaseException | None = None
@@ -57,27 +56,17 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenDelta]:
         if not self.is_alive:
             raise EngineDeadError(f"engine loop is dead: {self._error!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        queue = self._streams.open(request_id)
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
         except BaseException:
-            self._queues.pop(request_id, None)
+            self._streams.close(request_id)
             raise
         self._wakeup.set()
-        open_outputs = params.n
-        try:
-            while open_outputs:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    open_outputs -= 1
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if open_outputs:
-                self.engine.abort(request_id)
+        async for delta in self._streams.iterate(
+            request_id, queue, params.n, lambda: self.engine.abort(request_id)
+        ):
+            yield delta
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
@@ -99,27 +88,8 @@ class AsyncEngine:
                     continue
                 deltas = self.engine.step()
                 self.last_step_at = time.monotonic()
-                self._dispatch(deltas)
+                self._streams.dispatch(deltas)
         except BaseException as exc:  # a bug in a step: fail every stream, then die
             logger.exception("engine step failed")
             self._error = exc
-            for loop, queue in list(self._queues.values()):
-                loop.call_soon_threadsafe(
-                    queue.put_nowait, EngineDeadError(f"engine failed: {exc!r}")
-                )
-
-    def _dispatch(self, deltas: list[TokenDelta]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
-        for delta in deltas:
-            target = self._queues.get(delta.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], delta))
-        for loop, items in by_loop.items():
-            # A closed event loop raises RuntimeError: its consumers are gone anyway.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
+            self._streams.fail_all(EngineDeadError(f"engine failed: {exc!r}"))

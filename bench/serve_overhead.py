@@ -1,0 +1,258 @@
+"""Serve overhead: streaming chat through the HTTP ingress against the same engine in-process.
+
+Both sides run the default model with the default engine config, one after the other in
+one run. N concurrent clients (1, 8, 32) each send `rounds` chat requests back to back,
+streamed, 128 output tokens each (ignore_eos, greedy), with varied user messages.
+
+- in-process: the chat template, an AsyncEngine and incremental detokenization in this
+  process, the same work a replica and the ingress do, without Ray, HTTP or JSON.
+- serve: `build_app(AppConfig())` on a local Ray (the defaults a 2-core laptop gets),
+  httpx streaming clients against the OpenAI endpoint.
+
+Per N: aggregate output tokens/s, p50/p99 TTFT (request sent -> first text), p50
+inter-token latency, and through-Serve / in-process ratios. The peers' figures are the
+ones measured on this kind of machine with the same kind of client (see the issue); they
+are quoted, not rerun. The last line printed is a JSON object with every figure.
+"""
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEERS_32 = {"llama.cpp": 195.0, "vllm_cpu_bf16": 500.0}  # output tok/s at 32 streams
+SYSTEM = "You are a helpful assistant. Answer in detail."
+TOPICS = [
+    "how tides work",
+    "the history of the printing press",
+    "why the sky is blue",
+    "how a compiler turns code into machine instructions",
+    "the rules of chess",
+    "photosynthesis",
+    "how vaccines train the immune system",
+    "the water cycle",
+    "what a hash table is and when to use one",
+    "the causes of the French Revolution",
+    "how airplanes stay in the air",
+    "the life cycle of a star",
+]
+
+
+def messages_for(client: int, round_: int) -> list[dict]:
+    topic = TOPICS[(client * 7 + round_) % len(TOPICS)]
+    ask = f"Explain {topic}. (question {client}-{round_})"
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        ttfts = sorted(self.ttfts)
+        return {
+            "tok_s": round(self.tokens / self.wall_s, 1),
+            "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+            "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+            "itl_p50_ms": round(1000 * statistics.median(self.itls), 1),
+            "requests": len(ttfts),
+            "tokens": self.tokens,
+        }
+
+
+async def closed_loop(n: int, rounds: int, one_request) -> Run:  # noqa: ANN001
+    run = Run()
+
+    async def client(i: int) -> None:
+        for r in range(rounds):
+            await one_request(run, messages_for(i, r))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(n)))
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+def record(run: Run, sent: float, arrivals: list[float], tokens: int) -> None:
+    run.tokens += tokens
+    if arrivals:
+        run.ttfts.append(arrivals[0] - sent)
+        run.itls.extend(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
+
+
+# ---- in-process ------------------------------------------------------------------------
+def bench_in_process(config, levels: list[tuple[int, int]], max_tokens: int) -> dict:  # noqa: ANN001
+    import torch
+
+    from app.engine.async_engine import AsyncEngine
+    from app.engine.engine import LLMEngine
+    from app.models.source import resolve_model
+    from app.models.tokenizer import chat_token_ids, load_tokenizer
+    from app.protocol import SamplingParams
+    from app.text.detokenizer import IncrementalDetokenizer
+
+    engine_config = config.models[0].engine
+    torch.set_num_threads(engine_config.threads)
+    engine = AsyncEngine(LLMEngine(engine_config))
+    tokenizer = load_tokenizer(resolve_model(engine_config.model))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one_request(run: Run, messages: list[dict]) -> None:
+        sent = time.perf_counter()
+        ids = chat_token_ids(tokenizer, messages)
+        detok = IncrementalDetokenizer(tokenizer, ids)
+        arrivals, tokens = [], 0
+        async for delta in engine.generate(uuid.uuid4().hex, ids, params):
+            tokens += len(delta.token_ids)
+            if detok.add(delta.token_ids):
+                arrivals.append(time.perf_counter())
+        record(run, sent, arrivals, tokens)
+
+    results = {}
+    try:
+        asyncio.run(closed_loop(1, 1, one_request))  # warm-up
+        for n, rounds in levels:
+            results[n] = asyncio.run(closed_loop(n, rounds, one_request)).summary()
+            print(f"in-process N={n:<3} {results[n]}")
+    finally:
+        engine.shutdown()
+    return results
+
+
+# ---- through Serve ---------------------------------------------------------------------
+def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: int) -> dict:  # noqa: ANN001
+    import httpx
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+
+    model = config.models[0].name
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    async def one_request(run: Run, messages: list[dict], client: httpx.AsyncClient) -> None:
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        sent = time.perf_counter()
+        arrivals, tokens = [], 0
+        async with client.stream("POST", url, json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    arrivals.append(time.perf_counter())
+        record(run, sent, arrivals, tokens)
+
+    async def level(n: int, rounds: int) -> Run:
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            return await closed_loop(n, rounds, lambda run, m: one_request(run, m, client))
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    results = {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
+        wait_healthy(f"http://127.0.0.1:{port}/health")
+        asyncio.run(level(1, 1))  # warm-up
+        for n, rounds in levels:
+            results[n] = asyncio.run(level(n, rounds)).summary()
+            print(f"serve      N={n:<3} {results[n]}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return results
+
+
+def wait_healthy(url: str, timeout_s: float = 300) -> None:
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+
+
+def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1:4,8:2,32:2", help="N:rounds,...")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--serve-only", action="store_true", help="skip the in-process side")
+    parser.add_argument(
+        "--stream-messages-per-s", type=float, default=None, help="replica's message budget"
+    )
+    args = parser.parse_args()
+    levels = [tuple(int(x) for x in part.split(":")) for part in args.levels.split(",")]
+
+    from app.config import AppConfig
+
+    settings: dict = {"embeddings": {"enabled": False}}
+    if args.stream_messages_per_s is not None:
+        settings["models"] = [{"stream_messages_per_s": args.stream_messages_per_s}]
+    config = AppConfig.model_validate(settings)
+    print(f"model {config.models[0].name}, threads {config.models[0].engine.threads}")
+    if args.serve_only:
+        bench_serve(config, levels, args.max_tokens, args.port)
+        return
+    local = bench_in_process(config, levels, args.max_tokens)
+    gc.collect()
+    served = bench_serve(config, levels, args.max_tokens, args.port)
+
+    result: dict = {"levels": {}}
+    for n, _ in levels:
+        a, b = local[n], served[n]
+        result["levels"][n] = {
+            "in_process": a,
+            "serve": b,
+            "throughput_ratio": round(b["tok_s"] / a["tok_s"], 3),
+            "ttft_overhead_ms": round(b["ttft_p50_ms"] - a["ttft_p50_ms"], 1),
+            "itl_overhead_ms": round(b["itl_p50_ms"] - a["itl_p50_ms"], 1),
+        }
+        print(
+            f"N={n:<3} serve/in-process throughput {result['levels'][n]['throughput_ratio']:.3f}"
+            f"  TTFT overhead {result['levels'][n]['ttft_overhead_ms']:+.1f} ms"
+            f"  ITL overhead {result['levels'][n]['itl_overhead_ms']:+.1f} ms"
+        )
+    top = max(n for n, _ in levels)
+    low = min(n for n, _ in levels)
+    result["throughput_ratio_32"] = result["levels"][top]["throughput_ratio"]
+    result["ttft_overhead_ms_1"] = result["levels"][low]["ttft_overhead_ms"]
+    result["serve_tok_s_32"] = served[top]["tok_s"]
+    for peer, tok_s in PEERS_32.items():
+        result[f"vs_{peer}_32"] = round(served[top]["tok_s"] / tok_s, 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The engine in a child process: same streams as in-process, errors, aborts, death."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from app.engine import EngineConfig
+from app.engine.async_engine import EngineDeadError
+from app.engine.engine_process import EngineProcess
+from app.protocol import FinishReason, SamplingParams
+from app.protocol.errors import ShoalError
+from tests.helpers import tiny_engine
+
+
+def tiny_config(checkpoint, **overrides) -> EngineConfig:  # noqa: ANN001
+    settings = dict(
+        model=str(checkpoint), dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def engine_process(tiny_llama):
+    proc = EngineProcess(tiny_config(tiny_llama))
+    yield proc
+    proc.shutdown()
+
+
+async def collect(engine, rid: str, prompt: list[int], params: SamplingParams) -> list:  # noqa: ANN001
+    return [d async for d in engine.generate(rid, prompt, params)]
+
+
+def test_streams_match_the_in_process_engine(engine_process, tiny_llama):
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [
+        list(o.outputs[0].token_ids) for o in tiny_engine(tiny_llama).generate(prompts, params)
+    ]
+
+    async def main() -> list[list]:
+        return await asyncio.gather(
+            *(collect(engine_process, f"r{i}", p, params) for i, p in enumerate(prompts))
+        )
+
+    for deltas, want in zip(asyncio.run(main()), expected, strict=True):
+        assert [t for d in deltas for t in d.token_ids] == want
+        assert deltas[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_bad_request_gets_its_error_and_the_engine_survives(engine_process):
+    async def main() -> None:
+        with pytest.raises(ShoalError) as info:
+            await collect(engine_process, "bad", [1, 10_000], SamplingParams(max_tokens=2))
+        assert info.value.status_code == 400 and "vocabulary" in info.value.message
+        assert len(await collect(engine_process, "ok", [1, 2], SamplingParams(max_tokens=2))) == 2
+
+    asyncio.run(main())
+    engine_process.check_health()
+
+
+def test_consumer_that_leaves_aborts_and_frees_blocks(engine_process):
+    async def main() -> dict:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = engine_process.generate("long", [1, 2, 3], params)
+        await stream.__anext__()
+        assert (await engine_process.call("stats"))["kv_blocks_used"] > 0
+        await stream.aclose()
+        for _ in range(100):
+            stats = await engine_process.call("stats")
+            if stats["kv_blocks_used"] == 0 and stats["num_running"] == 0:
+                return stats
+            await asyncio.sleep(0.05)
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_model_load_error_reaches_the_parent(tmp_path):
+    with pytest.raises(ShoalError, match="does-not-exist"):
+        EngineProcess(tiny_config(tmp_path / "does-not-exist"))
+
+
+def test_killed_engine_ends_streams_and_fails_health(tiny_llama):
+    proc = EngineProcess(tiny_config(tiny_llama, num_kv_blocks=256))
+    try:
+
+        async def main() -> None:
+            stream = proc.generate(
+                "victim", [1, 2], SamplingParams(max_tokens=500, ignore_eos=True)
+            )
+            await stream.__anext__()
+            os.kill(proc._proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await collect(proc, "after", [1, 2], SamplingParams(max_tokens=2))
+
+        asyncio.run(asyncio.wait_for(main(), 30))
+        with pytest.raises(EngineDeadError, match="exited"):
+            proc.check_health()
+    finally:
+        proc.shutdown()

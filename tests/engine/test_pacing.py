@@ -1,0 +1,65 @@
+"""StreamPacer: first and last tokens at once, tokens in between merged, nothing lost."""
+
+import asyncio
+
+from app.engine.pacing import StreamPacer, merge
+from app.protocol import FinishReason
+from app.protocol.outputs import TokenDelta, TokenLogprob
+
+
+def delta(i: int, index: int = 0, finish: FinishReason | None = None) -> TokenDelta:
+    return TokenDelta("r", index, (i,), (TokenLogprob(i, -0.5, ()),), finish)
+
+
+async def trickle(items: list[TokenDelta], gap_s: float):  # noqa: ANN201
+    for item in items:
+        await asyncio.sleep(gap_s)
+        yield item
+
+
+def paced(pacer: StreamPacer, items: list[TokenDelta], gap_s: float = 0.002) -> list[TokenDelta]:
+    async def main() -> list[TokenDelta]:
+        return [d async for d in pacer.pace(trickle(items, gap_s))]
+
+    return asyncio.run(main())
+
+
+def test_merge_concatenates_tokens_and_logprobs():
+    merged = merge(delta(1), delta(2, finish=FinishReason.STOP))
+    assert merged.token_ids == (1, 2) and [lp.token_id for lp in merged.logprobs] == [1, 2]
+    assert merged.finish_reason == FinishReason.STOP
+    assert merge(None, delta(3)) == delta(3)
+
+
+def test_a_lone_stream_under_budget_gets_every_token():
+    items = [delta(i) for i in range(5)] + [delta(5, finish=FinishReason.LENGTH)]
+    out = paced(StreamPacer(messages_per_s=1.0 / 0.001), items)  # 1 ms interval, 2 ms gaps
+    assert out == items
+
+
+def test_busy_replica_merges_but_flushes_first_and_last():
+    pacer = StreamPacer(messages_per_s=10.0)
+    pacer.open_streams = 4  # three other streams: 0.5 s per message for this one
+    items = [delta(i) for i in range(20)] + [delta(20, finish=FinishReason.LENGTH)]
+    out = paced(pacer, items)
+    assert out[0].token_ids == (0,)  # the first token is not held back
+    assert len(out) == 2 and out[-1].finish_reason == FinishReason.LENGTH
+    assert [t for d in out for t in d.token_ids] == list(range(21))
+    assert pacer.open_streams == 4  # this stream's share is given back
+
+
+def test_outputs_of_n_are_merged_separately():
+    items = [delta(1, 0), delta(2, 1), delta(3, 0), delta(4, 1, FinishReason.STOP)]
+    items.append(delta(5, 0, FinishReason.STOP))
+    pacer = StreamPacer(messages_per_s=1.0)
+    out = paced(pacer, items)
+    tokens = {0: [], 1: []}
+    for d in out:
+        tokens[d.index] += d.token_ids
+    assert tokens == {0: [1, 3, 5], 1: [2, 4]}
+    assert sum(d.finish_reason is not None for d in out) == 2
+
+
+def test_zero_budget_means_one_message_per_token():
+    items = [delta(i) for i in range(4)]
+    assert paced(StreamPacer(messages_per_s=0), items, gap_s=0) == items
