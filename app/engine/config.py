@@ -38,7 +38,15 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(
-        None, ge=1, description="torch threads; None uses every core this process may run on."
+        None,
+        ge=1,
+        description="torch threads per shard; None shares this machine's cores among the shards.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Shards the weights are split over (one process or GPU each)."
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: NCCL on CUDA, gloo on CPU."
     )
     attention_backend: Literal["auto", "torch"] = "auto"
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
@@ -59,7 +67,14 @@ class EngineConfig(BaseModel):
 
     @cached_property
     def threads(self) -> int:
-        return self.num_threads or len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
+        return self.num_threads or max(1, cores // self.tensor_parallel_size)
+
+    @property
+    def torch_distributed_backend(self) -> str:
+        if self.distributed_backend != "auto":
+            return self.distributed_backend
+        return "nccl" if self.torch_device.type == "cuda" else "gloo"
 
 
 def cpu_has_bf16() -> bool:

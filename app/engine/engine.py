@@ -15,7 +15,7 @@ import torch
 
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
-from app.engine.model_runner import ModelRunner, kv_bytes_per_block
+from app.engine.model_runner import ModelRunner, num_kv_blocks
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import Sequence
@@ -23,6 +23,7 @@ from app.engine.stats import EngineStats
 from app.models.arch import ArchConfig
 from app.models.attention import select_backend
 from app.models.loader import LoadedModel, load_model
+from app.models.parallel import TPGroup
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError
 from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta
@@ -32,16 +33,27 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
+    ) -> None:
         """`loaded` reuses weights already in memory (another engine's, in tests); the
-        KV cache is always this engine's own."""
+        KV cache is always this engine's own. With tensor parallelism this engine is
+        rank 0 of `tp` (see app.engine.shard): it schedules and samples for every shard."""
         self.config = config
         torch.set_num_threads(config.threads)
         if loaded is None:
             source = resolve_model(config.model)
             backend = select_backend(config.attention_backend, config.torch_device)
             loaded = load_model(
-                source, backend, config.torch_dtype, config.torch_device, config.max_model_len
+                source,
+                backend,
+                config.torch_dtype,
+                config.torch_device,
+                config.max_model_len,
+                tp,
             )
         else:
             backend = loaded.model.model.layers[0].self_attn.backend
@@ -49,11 +61,7 @@ class LLMEngine:
         self.source = loaded.source
         self.arch: ArchConfig = loaded.arch
         self.max_model_len = loaded.max_model_len
-        num_blocks = config.num_kv_blocks or max(
-            2,
-            int(config.kv_cache_memory_gib * 2**30)
-            // kv_bytes_per_block(loaded.model, config.block_size, config.torch_dtype),
-        )
+        num_blocks = num_kv_blocks(config, loaded.model)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

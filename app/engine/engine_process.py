@@ -61,7 +61,11 @@ def _error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
 
 # ---- parent side -----------------------------------------------------------------------
 class EngineProcess:
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self, config: EngineConfig, tp_master: str | None = None, start_timeout_s: float = 900.0
+    ) -> None:
+        """`tp_master`: with tensor_parallel_size > 1, the "host:port" where this engine
+        (rank 0) meets its shards (app.engine.shard), which the caller starts."""
         self.config = config
         self._streams = DeltaStreams()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -82,7 +86,7 @@ class EngineProcess:
         child_end.close()
         self._conn = Connection(parent_end.detach())
         try:
-            self._conn.send(config.model_dump(mode="json"))
+            self._conn.send((config.model_dump(mode="json"), tp_master))
             if not self._conn.poll(start_timeout_s):
                 raise EngineDeadError(f"engine process did not start in {start_timeout_s:.0f}s")
             first = self._conn.recv()
@@ -246,11 +250,19 @@ def _serve(conn: Connection) -> int:
     import torch
 
     from app.engine.engine import LLMEngine
+    from app.engine.shard import HEARTBEAT
+    from app.models.parallel import TPGroup, init_tp_group
 
-    config = EngineConfig.model_validate(conn.recv())
+    config_json, tp_master = conn.recv()
+    config = EngineConfig.model_validate(config_json)
     try:
         torch.set_num_threads(config.threads)
-        engine = LLMEngine(config)
+        tp = TPGroup()
+        if config.tensor_parallel_size > 1:
+            tp = init_tp_group(
+                0, config.tensor_parallel_size, tp_master, config.torch_distributed_backend
+            )
+        engine = LLMEngine(config, tp=tp)
     except Exception as exc:
         logger.exception("engine failed to start")
         conn.send(("fatal", *_error_parts(exc)))
@@ -259,6 +271,8 @@ def _serve(conn: Connection) -> int:
     last_sent = time.monotonic()
     while True:
         timeout = 0.0 if engine.has_work else HEARTBEAT_S
+        if not engine.has_work:
+            tp.broadcast_object(HEARTBEAT)  # idle shards stay in touch (see app.engine.shard)
         while conn.poll(timeout):
             message = conn.recv()
             kind = message[0]
@@ -276,6 +290,7 @@ def _serve(conn: Connection) -> int:
                 except Exception as exc:
                     conn.send(("reply", call_id, False, _error_parts(exc)))
             elif kind == "stop":
+                tp.broadcast_object(None)
                 return 0
             timeout = 0.0
         if not engine.has_work:
@@ -300,6 +315,17 @@ def main() -> int:
         return _serve(conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the parent is gone
+    except Exception as exc:  # e.g. a shard died under a heartbeat
+        logger.exception("engine failed")
+        with contextlib.suppress(OSError):
+            conn.send(("fatal", *_error_parts(exc)))
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into logits."""
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -14,9 +15,29 @@ logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    arch = model.arch
+    arch = model.local  # this shard's KV heads
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
     return per_token * block_size
+
+
+def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM) -> int:
+    """Blocks in the cache; every shard computes the same number from the same config."""
+    return config.num_kv_blocks or max(
+        2,
+        int(config.kv_cache_memory_gib * 2**30)
+        // kv_bytes_per_block(model, config.block_size, config.torch_dtype),
+    )
+
+
+@dataclass
+class StepInputs:
+    """One forward pass, as every shard needs it: small, picklable, no tensors."""
+
+    input_ids: list[int]
+    positions: list[int]
+    layout: BatchLayout
+    logits_rows: list[int]
+    copies: list[tuple[int, int]]  # (src, dst) blocks to copy first (copy-on-write)
 
 
 class ModelRunner:
@@ -32,7 +53,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        arch = model.arch
+        arch = model.local
         shape = backend.kv_cache_shape(
             num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim
         )
@@ -46,13 +67,15 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens, %s per layer", num_blocks, self.block_size, shape
         )
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward pass. Returns logits (S, vocab) in the model's dtype on the CPU
-        for the sequences whose next token is due (prompts fully computed), in that order."""
-        self._bind_caches()
-        if batch.copies:
-            self._copy_blocks(batch)
+        for the sequences whose next token is due (prompts fully computed), in that order.
+        With tensor parallelism the step's inputs go to every shard first."""
+        step, sampled = self.prepare(batch)
+        self.model.tp.broadcast_object(step)
+        return self.execute(step).cpu(), sampled
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -76,23 +99,31 @@ class ModelRunner:
                 sampled.append(seq)
         num_decodes = sum(1 for n in query_lens if n == 1)
         layout = BatchLayout(query_lens, context_lens, tables, slots, num_decodes, bs)
-        metadata = self.backend.build_metadata(layout, self.num_kv_heads, self.device)
+        copies = [(c.src, c.dst) for c in batch.copies]
+        return StepInputs(input_ids, positions, layout, logits_rows, copies), sampled
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        """The forward pass on this shard; logits on rank 0, an empty tensor elsewhere."""
+        self._bind_caches()
+        if step.copies:
+            self._copy_blocks(step.copies)
+        metadata = self.backend.build_metadata(step.layout, self.num_kv_heads, self.device)
         dev = self.device
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+        return self.model(
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
             metadata,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
         )
-        return logits.cpu(), sampled
 
     def _bind_caches(self) -> None:
         # Bound per run (30 attribute stores) so engines may share one model's weights.
         for layer, k, v in zip(self.model.model.layers, self.k_caches, self.v_caches, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
-    def _copy_blocks(self, batch: ScheduledBatch) -> None:
-        src = torch.tensor([c.src for c in batch.copies], device=self.device)
-        dst = torch.tensor([c.dst for c in batch.copies], device=self.device)
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
         for k, v in zip(self.k_caches, self.v_caches, strict=True):
             self.backend.copy_blocks(k, v, src, dst)

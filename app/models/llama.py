@@ -16,6 +16,7 @@ from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
 from app.models.cpu_linear import PackedLinear, linear_add
 from app.models.fused_ops import RopeTables, rms_norm, rotate_heads_
+from app.models.parallel import TPGroup, kv_head_range, shard_arch, slice_rows, vocab_range
 from app.models.rope import RotaryEmbedding
 
 
@@ -29,9 +30,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def linear_add_reduce(
+    layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup
+) -> torch.Tensor:
+    """residual + layer(x) for a row-parallel layer: each shard's partial product is
+    summed over the shards, and the residual is added once (by rank 0)."""
+    if not tp.enabled:
+        return linear_add(layer, x, residual)
+    out = linear_add(layer, x, residual) if tp.rank == 0 else layer(x)
+    return tp.all_reduce_(out)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend):
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, tp: TPGroup):
+        """`arch` holds this shard's head counts (see parallel.shard_arch)."""
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads,
             arch.num_kv_heads,
@@ -62,12 +76,13 @@ class LlamaAttention(nn.Module):
         )
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
-        return linear_add(self.o_proj, out.reshape(t, self.q_size), residual)
+        return linear_add_reduce(self.o_proj, out.reshape(t, self.q_size), residual, self.tp)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
@@ -81,7 +96,7 @@ class LlamaMLP(nn.Module):
         else:
             g, u = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
             h = F.silu(g) * u
-        return linear_add(self.down_proj, h, residual)
+        return linear_add_reduce(self.down_proj, h, residual, self.tp)
 
     def fuse_for_cpu(self) -> None:
         """Split gate/up into two prepacked layers whose epilogues apply silu and the
@@ -93,12 +108,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend):
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend)
+        self.self_attn = LlamaAttention(arch, backend, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, tp)
 
     def forward(self, rope: RopeTables, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         h = self.self_attn(rope, self.input_layernorm(h), attn_metadata, residual=h)
@@ -106,21 +121,36 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self, arch: ArchConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
+    ):
         super().__init__()
+        self.tp = tp
         self.rotary = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.vocab_start, vocab_local = vocab_range(arch.vocab_size, tp)
+        self.embed_tokens = nn.Embedding(vocab_local, arch.hidden_size)
+        local = shard_arch(arch, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(local, backend, tp) for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each shard embeds the ids in its slice, zeros elsewhere, and
+        # the sum over shards is the full embedding.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce_(h.masked_fill_(outside.unsqueeze(-1), 0))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (T, hidden)
+        h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary.tables(positions)
         for layer in self.layers:
             h = layer(rope, h, attn_metadata)
@@ -138,11 +168,21 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
+    ):
         super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch, backend, max_positions)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.arch = arch  # the whole model's sizes
+        self.local = shard_arch(arch, tp)  # the sizes this shard computes with
+        self.tp = tp
+        self.model = LlamaModel(arch, backend, max_positions, tp)
+        self.lm_head = nn.Linear(
+            arch.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
+        )
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -154,7 +194,10 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
     ) -> torch.Tensor:
         h = self.model(input_ids, positions, attn_metadata)
-        return self.lm_head(h[logits_indices])  # (S, vocab), model dtype
+        logits = self.tp.gather_last_dim(self.lm_head(h[logits_indices]))
+        if logits is None:  # not rank 0: sampling happens there
+            return torch.empty(0)
+        return logits[:, : self.arch.vocab_size]  # (S, vocab), model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters; returns the names filled."""
@@ -169,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"unexpected tensor {name!r}")
             param = params[target]
+            tensor = self._tp_slice(name, tensor)
             dest = param.data if shard is None else self._shard_view(param.data, target, shard)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
@@ -196,8 +240,28 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(hf_part, ours), shard
         return name, None
 
+    def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This shard's part of a whole checkpoint tensor (the tensor itself at TP=1)."""
+        tp, local = self.tp, self.local
+        if not tp.enabled:
+            return tensor
+        if "embed_tokens" in name or name.startswith("lm_head"):
+            return slice_rows(tensor, *vocab_range(self.arch.vocab_size, tp))
+        if ".q_proj." in name:
+            return tensor.narrow(0, tp.rank * local.q_size, local.q_size)
+        if ".k_proj." in name or ".v_proj." in name:
+            first, count = kv_head_range(self.arch, tp)
+            return tensor.narrow(0, first * local.head_dim, count * local.head_dim)
+        if ".o_proj." in name:
+            return tensor.narrow(1, tp.rank * local.q_size, local.q_size)
+        if ".gate_proj." in name or ".up_proj." in name:
+            return tensor.narrow(0, tp.rank * local.intermediate_size, local.intermediate_size)
+        if ".down_proj." in name:
+            return tensor.narrow(1, tp.rank * local.intermediate_size, local.intermediate_size)
+        return tensor  # norms: replicated
+
     def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
-        arch = self.arch
+        arch = self.local
         if "qkv_proj" in target:
             sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         else:

@@ -10,6 +10,7 @@ from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.llama import LlamaForCausalLM
+from app.models.parallel import TPGroup, check_divisible
 from app.models.source import ModelSource
 from app.models.weights import iter_weights
 from app.protocol.errors import ModelLoadError
@@ -46,13 +47,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int | None = None,
+    tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
 ) -> LoadedModel:
     """Load weights into our model. `max_model_len` (None: the model's own) sizes the
     RoPE tables and is capped at the model's context length."""
     arch = read_arch(source)
+    if tp.enabled:
+        try:
+            check_divisible(arch, tp.size)
+        except ValueError as exc:
+            raise ModelLoadError(source.name, str(exc)) from exc
     max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions)
+        model = LlamaForCausalLM(arch, backend, max_positions, tp)
     # Materialise on the target device without initialising (weights come next);
     # the RoPE tables are buffers computed at construction, so rebuild them for real.
     model = model.to_empty(device=device)
