@@ -4,7 +4,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from app.config import AppConfig
+from app.config import AppConfig, ModelDeploymentConfig
 
 
 def build_app(config: AppConfig) -> Application:
@@ -24,7 +24,7 @@ def build_app(config: AppConfig) -> Application:
             num_replicas=m.num_replicas,
             max_ongoing_requests=m.max_ongoing_requests,
             max_queued_requests=m.max_queued_requests,
-            ray_actor_options={"num_cpus": m.num_cpus, "num_gpus": m.num_gpus},
+            **replica_resources(m),
         ).bind(m)
     embedder = None
     if config.embeddings.enabled:
@@ -41,6 +41,25 @@ def build_app(config: AppConfig) -> Application:
         )
         .bind(tokenizer, models, embedder)
     )
+
+
+def replica_resources(m: ModelDeploymentConfig) -> dict[str, Any]:
+    """A replica's resources. With N tensor-parallel shards it asks for a placement group of
+    N bundles, one per shard, on one node (STRICT_PACK): the replica itself and its engine
+    (rank 0) in bundle 0, a ShardActor in each of the others. `num_cpus` and `num_gpus` are
+    the whole replica's, split evenly over the bundles."""
+    size = m.engine.tensor_parallel_size
+    shard = {"num_cpus": m.num_cpus / size, "num_gpus": m.num_gpus / size}
+    if size == 1:
+        return {"ray_actor_options": shard}
+    bundle = {"CPU": shard["num_cpus"]}
+    if m.num_gpus:
+        bundle["GPU"] = shard["num_gpus"]
+    return {
+        "ray_actor_options": shard,
+        "placement_group_bundles": [dict(bundle) for _ in range(size)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def build_default_app() -> Application:

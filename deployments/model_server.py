@@ -2,9 +2,13 @@
 the ingress."""
 
 import logging
+import socket
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
+from ray.util import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.config import ModelDeploymentConfig
 from app.engine.engine_process import EngineProcess
@@ -12,8 +16,11 @@ from app.engine.pacing import StreamPacer
 from app.protocol.errors import ShoalError
 from app.protocol.messages import EngineErrorMessage, GenerateRequest
 from app.protocol.outputs import TokenDelta
+from deployments.shard_actor import ShardActor
 
 logger = logging.getLogger("ray.serve")
+
+SHARD_NAMESPACE = "shoal-shards"
 
 
 class ModelServer:
@@ -22,7 +29,15 @@ class ModelServer:
         # The step loop runs in a child process with its own thread count (Ray sets
         # OMP_NUM_THREADS to num_cpus here), so this process's event loop, which handles
         # every token of every stream, never holds the GIL against it.
-        self.engine = EngineProcess(config.engine)
+        self.shards: list = []  # ShardActor handles, ranks 1..N-1
+        self.shard_names: list[str] = []
+        self.shard_runs: list = []
+        master = self._start_shards() if config.engine.tensor_parallel_size > 1 else None
+        try:
+            self.engine = EngineProcess(config.engine, tp_master=master)
+        except BaseException:
+            self._stop_shards()
+            raise
         self.pacer = StreamPacer(config.stream_messages_per_s)
         logger.info("model %s ready", config.name)
 
@@ -49,16 +64,58 @@ class ModelServer:
     async def stats(self) -> dict:
         stats = await self.engine.call("stats")
         stats["engine_pid"] = self.engine.pid
+        stats["tensor_parallel_size"] = self.config.engine.tensor_parallel_size
+        stats["shards"] = list(self.shard_names)  # named actors in SHARD_NAMESPACE
         stats["replica"] = serve.get_replica_context().replica_id.unique_id
         return stats
 
     def check_health(self) -> None:
         self.engine.check_health()
+        ended, _ = ray.wait(self.shard_runs, timeout=0) if self.shard_runs else ([], None)
+        if ended:  # a shard's loop only ends with its replica: the group is broken
+            raise RuntimeError("a tensor-parallel shard of this replica has stopped")
+
+    # ---- tensor parallelism ---------------------------------------------------------
+    def _start_shards(self) -> str:
+        """Start ranks 1..N-1 in this replica's placement group; returns rank 0's address."""
+        engine = self.config.engine
+        size = engine.tensor_parallel_size
+        group = get_current_placement_group()
+        if group is None:
+            raise RuntimeError("tensor_parallel_size > 1 needs the replica's placement group")
+        with socket.socket() as s:  # rank 0 (our engine process) listens here
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        master = f"{ray.util.get_node_ip_address()}:{port}"
+        replica = serve.get_replica_context().replica_id.unique_id
+        for rank in range(1, size):
+            name = f"{self.config.name}-{replica}-{rank}"
+            self.shard_names.append(name)
+            actor = ShardActor.options(
+                name=name,
+                namespace=SHARD_NAMESPACE,
+                num_cpus=self.config.num_cpus / size,
+                num_gpus=self.config.num_gpus / size,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=rank
+                ),
+            ).remote()
+            self.shards.append(actor)
+            self.shard_runs.append(actor.run.remote(engine.model_dump_json(), rank, master))
+        logger.info("model %s: %d shards, rank 0 at %s", self.config.name, size, master)
+        return master
+
+    def _stop_shards(self) -> None:
+        for actor in self.shards:
+            ray.kill(actor)
+        self.shards.clear()
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown()  # tells the shards to stop too
+        if getattr(self, "shards", None):
+            self._stop_shards()
 
 
 # Three failed checks in a row replace the replica: a dead engine is gone within ~15 s.

@@ -11,6 +11,9 @@ one as a plain process (tests, debugging).
 
 import argparse
 import logging
+import os
+import socket
+import subprocess
 import sys
 
 import torch
@@ -59,6 +62,27 @@ def run_shard(config: EngineConfig, rank: int, master: str) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def free_local_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn_local_shards(config: EngineConfig, master: str) -> list[subprocess.Popen]:
+    """Ranks 1..N-1 as plain processes on this machine (tests and benchmarks; Serve
+    replicas use ShardActors instead)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env["OMP_NUM_THREADS"] = str(config.threads)
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "app.engine.shard", "--rank", str(rank)]
+            + ["--master", master, "--config", config.model_dump_json()],
+            env=env,
+        )
+        for rank in range(1, config.tensor_parallel_size)
+    ]
 
 
 def main() -> int:

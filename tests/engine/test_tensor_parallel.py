@@ -5,9 +5,7 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 from app.engine import EngineConfig, LLMEngine
 from app.engine.async_engine import EngineDeadError
 from app.engine.engine_process import EngineProcess
+from app.engine.shard import free_local_address, spawn_local_shards
 from app.models.attention import select_backend
 from app.models.loader import load_model
 from app.models.parallel import TPGroup
@@ -26,24 +25,11 @@ from app.protocol.errors import ShoalError
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 45))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def tp_engine(config: EngineConfig):
     """rank 0 (EngineProcess) plus ranks 1..N-1 (`python -m app.engine.shard`)."""
-    master = f"127.0.0.1:{free_port()}"
-    shards = [
-        subprocess.Popen(
-            [sys.executable, "-m", "app.engine.shard", "--rank", str(rank)]
-            + ["--master", master, "--config", config.model_dump_json()],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )
-        for rank in range(1, config.tensor_parallel_size)
-    ]
+    master = free_local_address()
+    shards = spawn_local_shards(config, master)
     engine = None
     try:
         engine = EngineProcess(config, tp_master=master)
