@@ -15,6 +15,7 @@ import torch
 
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
+from app.engine.contexts import ContextOp, ContextStore, Primitive
 from app.engine.model_runner import ModelRunner, num_kv_blocks
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Scheduler
@@ -75,6 +76,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded.model, backend, num_blocks)
         self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
         self.requests: dict[str, list[Sequence]] = {}
+        self.contexts = ContextStore(self.block_manager)
         self._aborted: list[TokenDelta] = []
         self._lock = threading.RLock()
         self.stats = EngineStats()
@@ -86,19 +88,52 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises InvalidRequestError (or ContextLengthExceededError)
         when it can never be served."""
-        prompt = list(prompt_token_ids)
-        bad = next((t for t in prompt if not 0 <= t < self.arch.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.arch.vocab_size})",
-                param="prompt",
-            )
+        prompt = self._checked_tokens(prompt_token_ids, "prompt")
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             seq = Sequence(request_id, prompt, params, 0, time.monotonic())
             self.scheduler.add(seq)
             self.requests[request_id] = [seq]
+
+    def add_context_request(
+        self, request_id: str, op: ContextOp, new_token_ids: Seq[int], params: SamplingParams
+    ) -> None:
+        """A Fill or Generate on a persistent context (see app.engine.contexts). A Fill
+        computes its tokens' KV and samples nothing the client sees."""
+        tokens = self._checked_tokens(new_token_ids, "token_ids")
+        if op.primitive is Primitive.FILL:
+            params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        with self._lock:
+            if request_id in self.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            seq = self.contexts.start(request_id, op, tokens, params)
+            seq.arrival = time.monotonic()
+            try:
+                self.scheduler.add(seq)
+            except BaseException:
+                self.contexts.release(seq)
+                raise
+            self.requests[request_id] = [seq]
+
+    def free_context(self, context_id: str) -> None:
+        with self._lock:
+            self.contexts.free(context_id)
+            self._refresh_stats()
+
+    def context_tokens(self, context_id: str) -> list[int]:
+        with self._lock:
+            return list(self.contexts.get(context_id).token_ids)
+
+    def _checked_tokens(self, token_ids: Seq[int], param: str) -> list[int]:
+        tokens = list(token_ids)
+        bad = next((t for t in tokens if not 0 <= t < self.arch.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.arch.vocab_size})",
+                param=param,
+            )
+        return tokens
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: its blocks are freed before this returns."""
@@ -110,6 +145,8 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.ABORT)
                     self._aborted.append(self._delta(seq, (), None, FinishReason.ABORT))
+                    if seq.context is not None:
+                        self.contexts.release(seq)
             self._refresh_stats()
             return True
 
@@ -142,6 +179,8 @@ class LLMEngine:
                     if lp is not None:
                         seq.logprobs.append(lp)
                     deltas.append(self._delta(seq, (token,), lp, seq.finish_reason))
+                    if seq.is_finished and seq.context is not None:
+                        self.contexts.settle(seq)
             for delta in deltas:
                 if delta.finish_reason is not None:
                     self._forget_if_done(delta.request_id)
@@ -196,6 +235,7 @@ class LLMEngine:
             s.max_batch_num_seqs = max(s.max_batch_num_seqs, batch_seqs)
             s.num_generated_tokens += sampled
             s.num_prompt_tokens += prefill_tokens
+        s.num_contexts = len(self.contexts)
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_blocks_total, s.kv_blocks_free = bm.total, bm.free

@@ -166,6 +166,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if seq.context is None or reason is FinishReason.ABORT:
+            self.block_manager.free(seq)
+        # else: the engine hands the blocks to the context (ContextStore.settle)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -48,6 +48,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.generator: torch.Generator | None = None
+        self.context = None  # a contexts.ContextOp when this request runs on a context
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 

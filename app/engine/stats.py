@@ -9,6 +9,7 @@ class EngineStats:
     num_steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_contexts: int = 0  # persistent contexts held (Parrot Fill/Generate)
     batch_num_seqs: int = 0  # sequences in the last step's batch
     batch_num_tokens: int = 0  # tokens in the last step's batch
     max_batch_num_seqs: int = 0  # largest batch so far

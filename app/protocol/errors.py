@@ -59,3 +59,13 @@ class OverloadedError(ShoalError):
         super().__init__(message)
         self.status_code = status_code
         self.retry_after_s = retry_after_s
+
+
+class NotFoundError(ShoalError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class ConflictError(ShoalError):
+    status_code = 409
+    error_type = "conflict_error"

@@ -1,0 +1,109 @@
+"""Persistent contexts: Fill/Generate continue exactly like one request, forks share blocks."""
+
+from pathlib import Path
+
+import pytest
+
+from app.engine.contexts import ContextOp, Primitive
+from app.protocol import SamplingParams
+from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundError
+from tests.helpers import tiny_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def run(engine, rid: str, op: ContextOp, tokens: list[int], params=GREEDY) -> list[int]:  # noqa: ANN001
+    engine.add_context_request(rid, op, tokens, params)
+    out: list[int] = []
+    while engine.has_work:
+        for d in engine.step():
+            if d.request_id == rid:
+                out.extend(d.token_ids)
+    return out
+
+
+def fill(cid: str, parent: str | None = None) -> ContextOp:
+    return ContextOp(cid, Primitive.FILL, parent)
+
+
+def gen(cid: str, parent: str | None = None) -> ContextOp:
+    return ContextOp(cid, Primitive.GENERATE, parent)
+
+
+@pytest.fixture
+def engine(tiny_llama):
+    return tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+
+
+def test_fill_generate_fill_generate_equals_one_request(engine):
+    a, b = [1, 2, 3, 4, 5, 6, 7], [40, 41, 42]
+    run(engine, "f1", fill("c"), a)
+    assert engine.context_tokens("c") == a  # the fill's own sample is not kept
+    out1 = run(engine, "g1", gen("c"), [])
+    run(engine, "f2", fill("c"), b)
+    out2 = run(engine, "g2", gen("c"), [])
+    assert engine.context_tokens("c") == a + out1 + b + out2
+    # The same tokens as one request, from scratch with no cache: same continuation.
+    fresh = tiny_engine(Path(engine.config.model))
+    expected = fresh.generate([a + out1 + b], GREEDY)[0].outputs[0].token_ids
+    assert out2 == list(expected)
+    expected1 = fresh.generate([a], GREEDY)[0].outputs[0].token_ids
+    assert out1 == list(expected1)
+
+
+def test_fork_shares_blocks_without_recompute_and_survives_parent_free(engine):
+    bm = engine.block_manager
+    run(engine, "f", fill("parent"), list(range(1, 18)))  # 17 tokens: 4 full blocks + 1
+    used_parent = bm.stats().used
+    assert used_parent == 5
+    computed_before = engine.stats.num_prompt_tokens
+    run(engine, "fork", fill("child", parent="parent"), [60, 61])
+    # The child recomputed only its partial last block's token plus its own two tokens.
+    assert engine.stats.num_prompt_tokens - computed_before <= 3
+    # Shared: 4 full blocks; the child's last block was copied on write.
+    assert bm.stats().used == used_parent + 1
+    engine.free_context("parent")
+    assert bm.stats().used == 5  # the child's references keep the shared blocks
+    child_tokens = engine.context_tokens("child")
+    assert child_tokens == list(range(1, 18)) + [60, 61]
+    out = run(engine, "g", gen("child"), [])
+    fresh = engine.generate([child_tokens], GREEDY)[0].outputs[0].token_ids
+    assert out == list(fresh)
+    engine.free_context("child")
+    assert bm.stats().used == 0
+
+
+def test_generate_with_a_parent_forks_and_leaves_the_parent_alone(engine):
+    run(engine, "f", fill("p"), [5, 6, 7, 8, 9])
+    out = run(engine, "g", gen("kid", parent="p"), [])
+    assert engine.context_tokens("p") == [5, 6, 7, 8, 9]
+    assert engine.context_tokens("kid") == [5, 6, 7, 8, 9] + out
+
+
+def test_errors(engine):
+    with pytest.raises(NotFoundError):
+        engine.add_context_request("x", gen("nobody"), [], GREEDY)
+    with pytest.raises(NotFoundError):
+        engine.add_context_request("x", fill("new", parent="nobody"), [1], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_context_request("x", fill("new"), [], GREEDY)
+    with pytest.raises(NotFoundError):
+        engine.free_context("nobody")
+    engine.add_context_request("busy", fill("c"), [1, 2, 3], GREEDY)
+    with pytest.raises(ConflictError):  # one primitive at a time on a context
+        engine.add_context_request("again", gen("c"), [], GREEDY)
+    while engine.has_work:
+        engine.step()
+    assert "nobody" not in engine.contexts.contexts
+
+
+def test_abort_leaves_the_context_as_it_was(engine):
+    run(engine, "f", fill("c"), [1, 2, 3, 4, 5])
+    engine.add_context_request("g", gen("c"), [], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort("g")
+    while engine.has_work:
+        engine.step()
+    assert engine.context_tokens("c") == [1, 2, 3, 4, 5]
+    assert len(run(engine, "g2", gen("c"), [])) == GREEDY.max_tokens  # not busy any more
