@@ -10,8 +10,8 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
-from app.protocol.errors import OverloadedError
-from app.protocol.messages import EngineErrorMessage, GenerateRequest
+from app.protocol.errors import OverloadedError, RemoteError
+from app.protocol.messages import ContextOp, EngineErrorMessage, GenerateRequest
 from app.protocol.outputs import TokenDelta, TokenLogprob
 from app.protocol.sampling import SamplingParams
 from app.text.detokenizer import IncrementalDetokenizer
@@ -41,6 +41,7 @@ class TextDelta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    token_ids: tuple[int, ...] = ()
 
 
 class Generation:
@@ -55,22 +56,41 @@ class Generation:
         stop: list[str],
         request_id: str | None = None,
         timer: Any = None,
+        context: ContextOp | None = None,
+        detok_prefix: list[int] | None = None,
     ) -> None:
+        """`detok_prefix`: the tokens the text continues (default: the prompt)."""
         self.request_id = request_id or uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_ids = prompt_ids
         self.params = params
         self.outputs = [
-            OutputState(i, IncrementalDetokenizer(tokenizer, prompt_ids), StopStrings(stop))
+            OutputState(
+                i,
+                IncrementalDetokenizer(
+                    tokenizer, prompt_ids if detok_prefix is None else detok_prefix
+                ),
+                StopStrings(stop),
+            )
             for i in range(params.n)
         ]
-        self._stream = handle.generate.remote(GenerateRequest(self.request_id, prompt_ids, params))
+        self._stream = handle.generate.remote(
+            GenerateRequest(self.request_id, prompt_ids, params, context)
+        )
         self._first: TokenDelta | EngineErrorMessage | None = None
         self._timer = timer  # TokenTimer or None
 
     @property
     def completion_tokens(self) -> int:
         return sum(o.num_tokens for o in self.outputs)
+
+    async def start_or_raise(self) -> None:
+        """`start`, with an engine's refusal raised as the ShoalError it was."""
+        try:
+            await self.start()
+        except StreamError as exc:
+            e = exc.error
+            raise RemoteError(e.status_code, e.error_type, e.message, e.param) from None
 
     async def start(self) -> None:
         """Wait for the first item so that a refusal becomes a proper HTTP error."""
@@ -117,7 +137,7 @@ class Generation:
             if reason is not None:
                 out.finish_reason = reason
             if text or reason or lps:
-                yield TextDelta(item.index, text, lps, reason)
+                yield TextDelta(item.index, text, lps, reason, item.token_ids)
             if all(o.finish_reason is not None for o in self.outputs):
                 self.cancel()  # stop strings ended every output: free the engine's blocks
                 return

@@ -16,7 +16,9 @@ from app.models.tokenizer import load_tokenizer
 from app.protocol.errors import ShoalError
 from deployments.errors import install_error_handlers, openai_error
 from deployments.metrics import IngressMetrics
+from deployments.routes.llamacpp import build_router as build_llamacpp_router
 from deployments.routes.openai import build_router
+from deployments.routes.parrot import build_router as build_parrot_router
 
 logger = logging.getLogger("ray.serve")
 
@@ -29,6 +31,8 @@ class UnknownModelError(ShoalError):
 def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
     app = FastAPI(title="Shoal", docs_url=None, redoc_url=None)
     app.include_router(build_router(get_ingress))
+    app.include_router(build_parrot_router(get_ingress))
+    app.include_router(build_llamacpp_router(get_ingress))
     install_error_handlers(app)
     if config.cors_origins:
         app.add_middleware(
@@ -70,10 +74,6 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
         )
         return response
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
     @app.get("/metrics")
     async def metrics() -> Response:
         ingress = get_ingress()
@@ -97,15 +97,26 @@ class Ingress:
         }
         self.created = int(time.time())
         self.metrics = IngressMetrics()
-        self._stats_handles = models
+        self.model_calls = models  # plain (unary) handles: stats, contexts
 
-    async def refresh_replica_stats(self) -> None:
-        for name, handle in self._stats_handles.items():
+    async def refresh_replica_stats(self) -> dict[str, dict]:
+        """A replica's stats per model (one replica each: the handle picks it)."""
+        fresh = {}
+        for name, handle in self.model_calls.items():
             try:
                 stats = await handle.stats.remote()
             except Exception:  # a replica being replaced: report what we have
                 continue
             self.metrics.set_replica_stats(name, str(stats.get("replica", "0")), stats)
+            fresh[name] = stats
+        return fresh
+
+    def default_model(self, name: str | None) -> str:
+        """`name` when it is served; the first configured model when None."""
+        if name is None:
+            return self.config.models[0].name
+        self.require_model(name)
+        return name
 
     def require_model(self, name: str) -> None:
         if name not in self.models:

@@ -51,7 +51,7 @@ class ModelServer:
         )
         try:
             deltas = self.engine.generate(
-                request.request_id, request.prompt_token_ids, request.params
+                request.request_id, request.prompt_token_ids, request.params, request.context
             )
             async for delta in self.pacer.pace(deltas):
                 yield delta
@@ -60,6 +60,18 @@ class ModelServer:
         except Exception as exc:  # the engine died under this request
             logger.exception("request %s failed", request.request_id)
             yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")
+
+    async def free_context(self, context_id: str) -> int:
+        """Drop a context; returns how many tokens it held."""
+        tokens = await self.engine.call("context_tokens", context_id)
+        await self.engine.call("free_context", context_id)
+        return len(tokens)
+
+    async def slots(self) -> list[dict]:
+        return await self.engine.call("slots")
+
+    async def context_tokens(self, context_id: str) -> list[int]:
+        return await self.engine.call("context_tokens", context_id)
 
     async def stats(self) -> dict:
         stats = await self.engine.call("stats")

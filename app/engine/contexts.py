@@ -11,17 +11,12 @@ alone: each block lives while anyone references it.
 """
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from app.engine.block_manager import BlockManager
 from app.engine.sequence import Sequence
 from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.protocol.messages import ContextOp, Primitive
 from app.protocol.sampling import SamplingParams
-
-
-class Primitive(StrEnum):
-    FILL = "fill"
-    GENERATE = "generate"
 
 
 @dataclass
@@ -33,15 +28,6 @@ class Context:
     @property
     def token_ids(self) -> list[int]:
         return self.holder.token_ids
-
-
-@dataclass(frozen=True)
-class ContextOp:
-    """What a request does to a context; travels with the request."""
-
-    context_id: str
-    primitive: Primitive
-    parent_context_id: str | None = None
 
 
 class ContextStore:

@@ -15,7 +15,7 @@ import torch
 
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
-from app.engine.contexts import ContextOp, ContextStore, Primitive
+from app.engine.contexts import ContextStore
 from app.engine.model_runner import ModelRunner, num_kv_blocks
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Scheduler
@@ -27,6 +27,7 @@ from app.models.loader import LoadedModel, load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError
+from app.protocol.messages import ContextOp, Primitive
 from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta
 from app.protocol.sampling import SamplingParams
 
@@ -124,6 +125,29 @@ class LLMEngine:
     def context_tokens(self, context_id: str) -> list[int]:
         with self._lock:
             return list(self.contexts.get(context_id).token_ids)
+
+    def slots(self) -> list[dict]:
+        """llama.cpp's view: `max_num_seqs` slots; each running or waiting sequence holds
+        one (in admission order), the rest are idle."""
+        with self._lock:
+            busy = list(self.scheduler.running) + list(self.scheduler.waiting)
+            slots = []
+            for i in range(max(self.config.max_num_seqs, len(busy))):
+                seq = busy[i] if i < len(busy) else None
+                slot = {"id": i, "n_ctx": self.max_model_len, "is_processing": seq is not None}
+                if seq is not None:
+                    slot.update(
+                        id_task=seq.request_id,
+                        state="processing" if seq in self.scheduler.running else "waiting",
+                        n_prompt_tokens=seq.num_prompt_tokens,
+                        n_prompt_tokens_cached=seq.num_cached_tokens,
+                        n_decoded=seq.num_output_tokens,
+                        params=seq.params.model_dump(mode="json"),
+                    )
+                else:
+                    slot["state"] = "idle"
+                slots.append(slot)
+            return slots
 
     def _checked_tokens(self, token_ids: Seq[int], param: str) -> list[int]:
         tokens = list(token_ids)

@@ -35,7 +35,8 @@ from typing import Any
 from app.engine.async_engine import EngineDeadError
 from app.engine.config import EngineConfig
 from app.engine.streams import DeltaStreams
-from app.protocol.errors import ShoalError
+from app.protocol.errors import RemoteError, ShoalError
+from app.protocol.messages import ContextOp
 from app.protocol.outputs import TokenDelta
 from app.protocol.sampling import SamplingParams
 
@@ -44,13 +45,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 
-class RemoteEngineError(ShoalError):
-    """A ShoalError raised in the engine process, rebuilt with its status and type."""
-
-    def __init__(self, status_code: int, error_type: str, message: str, param: str | None):
-        super().__init__(message, param)
-        self.status_code = status_code
-        self.error_type = error_type
+RemoteEngineError = RemoteError  # a ShoalError raised in the engine process
 
 
 def _error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
@@ -129,15 +124,21 @@ class EngineProcess:
 
     # ---- requests -----------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        context: ContextOp | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """With `context`, a Fill or Generate on it: `prompt_token_ids` are the tokens it
+        adds (see LLMEngine.add_context_request)."""
         if not self.is_alive:
             raise EngineDeadError(self._death())
         if not len(self._streams):
             self.last_message_at = time.monotonic()  # idle until now: not stuck
         queue = self._streams.open(request_id)
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params))
+            self._send(("add", request_id, list(prompt_token_ids), params, context))
         except BaseException:
             self._streams.close(request_id)
             raise
@@ -231,6 +232,9 @@ class EngineProcess:
 # ---- child side ------------------------------------------------------------------------
 _CALLS = {
     "stats": lambda engine: engine.stats.as_dict(),
+    "free_context": lambda engine, context_id: engine.free_context(context_id),
+    "context_tokens": lambda engine, context_id: engine.context_tokens(context_id),
+    "slots": lambda engine: engine.slots(),
 }
 
 
@@ -277,8 +281,12 @@ def _serve(conn: Connection) -> int:
             message = conn.recv()
             kind = message[0]
             if kind == "add":
+                _, request_id, token_ids, params, context = message
                 try:
-                    engine.add_request(*message[1:])
+                    if context is None:
+                        engine.add_request(request_id, token_ids, params)
+                    else:
+                        engine.add_context_request(request_id, context, token_ids, params)
                 except Exception as exc:
                     conn.send(("error", message[1], *_error_parts(exc)))
             elif kind == "abort":

@@ -69,3 +69,15 @@ class NotFoundError(ShoalError):
 class ConflictError(ShoalError):
     status_code = 409
     error_type = "conflict_error"
+
+
+class RemoteError(ShoalError):
+    """A ShoalError raised in another process, rebuilt with its status and type."""
+
+    def __init__(self, status_code: int, error_type: str, message: str, param: str | None):
+        super().__init__(message, param)
+        self.status_code = status_code
+        self.error_type = error_type
+
+    def __reduce__(self):  # noqa: ANN204 (pickled across processes with all four fields)
+        return (RemoteError, (self.status_code, self.error_type, self.message, self.param))

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.contexts import ContextOp, Primitive
 from app.protocol import SamplingParams
 from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.protocol.messages import ContextOp, Primitive
 from tests.helpers import tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

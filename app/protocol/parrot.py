@@ -1,0 +1,116 @@
+"""Parrot's primitive requests (Fill / Generate on contexts) and their sampling config."""
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.protocol.errors import InvalidRequestError
+from app.protocol.sampling import SamplingParams
+
+# Ids are ints in Parrot; strings are accepted too. Either way: no empty or huge values.
+ContextId = int | str
+
+
+def _check_id(value: ContextId | None, name: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
+        raise ValueError(f"{name} must be a non-negative integer or a string")
+    text = str(value)
+    if not text or len(text) > 128 or not text.isprintable():
+        raise ValueError(f"{name} must be 1-128 printable characters")
+    return text
+
+
+class Primitive(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: ContextId
+    task_id: ContextId
+    context_id: ContextId
+    parent_context_id: ContextId | None = None
+    model: str | None = Field(None, description="Which served model; default: the first.")
+
+    @model_validator(mode="after")
+    def _ids(self) -> "Primitive":
+        for name in ("session_id", "task_id", "context_id", "parent_context_id"):
+            _check_id(getattr(self, name), name)
+        if self.parent_context_id is not None and str(self.parent_context_id) == str(
+            self.context_id
+        ):
+            raise ValueError("parent_context_id must differ from context_id")
+        return self
+
+    @property
+    def context_key(self) -> str:
+        return str(self.context_id)
+
+    @property
+    def parent_key(self) -> str | None:
+        return None if self.parent_context_id is None else str(self.parent_context_id)
+
+
+class FillRequest(Primitive):
+    token_ids: list[int] | None = None
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> "FillRequest":
+        if (self.token_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of token_ids and text")
+        if not (self.token_ids or self.text):
+            raise ValueError("a fill must not be empty")
+        if self.token_ids and any(t < 0 for t in self.token_ids):
+            raise ValueError("token ids must be non-negative")
+        return self
+
+
+class SamplingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_gen_length: int = 128
+    ignore_tokenizer_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_str: list[str] | str | None = None
+    seed: int | None = None
+
+    def params(self) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_gen_length,
+                ignore_eos=self.ignore_tokenizer_eos,
+                stop_token_ids=tuple(self.stop_token_ids),
+                seed=self.seed,
+            )
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = str(err["loc"][0]) if err["loc"] else None
+            names = {"max_tokens": "max_gen_length", "ignore_eos": "ignore_tokenizer_eos"}
+            param = f"sampling_config.{names.get(loc, loc)}" if loc else "sampling_config"
+            raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from exc
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop_str is None:
+            return []
+        return [self.stop_str] if isinstance(self.stop_str, str) else list(self.stop_str)
+
+
+class GenerateRequest(Primitive):
+    sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class FreeContextRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    context_id: ContextId
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _ids(self) -> "FreeContextRequest":
+        _check_id(self.context_id, "context_id")
+        return self
