@@ -30,6 +30,9 @@ class ModelDeploymentConfig(BaseModel):
     max_queued_requests: int = Field(
         64, ge=-1, description="Requests waiting for a replica; -1: no limit."
     )
+    slot_save_path: str | None = Field(
+        None, description="Directory for POST /slots/{id}?action=save|restore; None: off (501)."
+    )
     stream_messages_per_s: float = Field(
         100.0,
         ge=0,

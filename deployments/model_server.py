@@ -3,7 +3,9 @@ the ingress."""
 
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import ray
 from ray import serve
@@ -11,9 +13,15 @@ from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.config import ModelDeploymentConfig
+from app.engine import slot_files
 from app.engine.engine_process import EngineProcess
 from app.engine.pacing import StreamPacer
-from app.protocol.errors import ShoalError
+from app.protocol.errors import (
+    InvalidRequestError,
+    NotImplementedByServerError,
+    RemoteError,
+    ShoalError,
+)
 from app.protocol.messages import EngineErrorMessage, GenerateRequest
 from app.protocol.outputs import TokenDelta
 from deployments.shard_actor import ShardActor
@@ -21,6 +29,11 @@ from deployments.shard_actor import ShardActor
 logger = logging.getLogger("ray.serve")
 
 SHARD_NAMESPACE = "shoal-shards"
+
+
+def slot_context(slot_id: int) -> str:
+    """The context that holds llama.cpp slot `slot_id`'s tokens and KV."""
+    return f"slot-{slot_id}"
 
 
 class ModelServer:
@@ -66,6 +79,40 @@ class ModelServer:
         tokens = await self.engine.call("context_tokens", context_id)
         await self.engine.call("free_context", context_id)
         return len(tokens)
+
+    async def slot_action(self, action: str, slot_id: int, filename: str | None) -> dict:
+        """llama.cpp's POST /slots/{id}?action=save|restore|erase on context slot-{id}."""
+        max_slots = self.config.engine.max_num_seqs
+        if not 0 <= slot_id < max_slots:
+            raise InvalidRequestError(f"id_slot must be in [0, {max_slots})", "id_slot")
+        context_id = slot_context(slot_id)
+        if action == "erase":
+            try:
+                n = await self.free_context(context_id)
+            except RemoteError as exc:
+                if exc.status_code != 404:
+                    raise
+                n = 0  # an empty slot: nothing to erase
+            return {"id_slot": slot_id, "n_erased": n}
+        if self.config.slot_save_path is None:
+            raise NotImplementedByServerError(
+                "slot save and restore are off: set slot_save_path in the model's config"
+            )
+        directory = Path(self.config.slot_save_path)
+        path = slot_files.checked_path(directory, filename or "")
+        directory.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        if action == "save":
+            result = await self.engine.call("save_context", context_id, str(path))
+        else:
+            result = await self.engine.call("restore_context", context_id, str(path))
+        ms = 1000 * (time.perf_counter() - started)
+        return {
+            "id_slot": slot_id,
+            "filename": path.name,
+            **result,
+            "timings": {f"{action}_ms": ms},
+        }
 
     async def slots(self) -> list[dict]:
         return await self.engine.call("slots")

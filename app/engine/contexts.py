@@ -57,7 +57,7 @@ class ContextStore:
             if op.parent_context_id is not None:
                 parent = self.get(op.parent_context_id)
                 holder = self._fork(parent.holder, op.context_id)
-            elif op.primitive is Primitive.FILL:
+            elif op.primitive is Primitive.FILL or new_token_ids:
                 holder = Sequence(f"context:{op.context_id}", [], SamplingParams())
             else:
                 raise NotFoundError(f"context {op.context_id!r} does not exist", param="context_id")
@@ -103,6 +103,16 @@ class ContextStore:
         ctx = self.contexts.get(seq.context.context_id)
         if ctx is not None and ctx.busy_with == seq.request_id:
             ctx.busy_with = None
+
+    def adopt(self, context_id: str, holder: Sequence) -> None:
+        """Make `holder` (tokens and blocks, e.g. restored from a file) a context,
+        replacing any idle one of that id."""
+        old = self.contexts.get(context_id)
+        if old is not None:
+            if old.busy_with is not None:
+                raise ConflictError(f"context {context_id!r} is busy", param="context_id")
+            self.block_manager.free(old.holder)
+        self.contexts[context_id] = Context(context_id, holder)
 
     def free(self, context_id: str) -> None:
         ctx = self.get(context_id)

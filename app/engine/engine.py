@@ -10,9 +10,11 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import torch
 
+from app.engine import slot_files
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.contexts import ContextStore
@@ -26,7 +28,7 @@ from app.models.attention import select_backend
 from app.models.loader import LoadedModel, load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
-from app.protocol.errors import InvalidRequestError
+from app.protocol.errors import ConflictError, InvalidRequestError, NotImplementedByServerError
 from app.protocol.messages import ContextOp, Primitive
 from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta
 from app.protocol.sampling import SamplingParams
@@ -125,6 +127,67 @@ class LLMEngine:
     def context_tokens(self, context_id: str) -> list[int]:
         with self._lock:
             return list(self.contexts.get(context_id).token_ids)
+
+    # ---- slot files: a context's tokens and KV on disk ---------------------------------
+    def fingerprint(self) -> dict:
+        """What a saved KV cache must match to be restored here."""
+        a = self.runner.model.local
+        return {
+            "model": self.source.name,
+            "layers": a.num_layers,
+            "kv_heads": a.num_kv_heads,
+            "head_dim": a.head_dim,
+            "dtype": str(self.config.torch_dtype),
+            "block_size": self.config.block_size,
+            "cache_shape": list(self.runner.k_caches[0].shape[1:]),
+        }
+
+    def save_context(self, context_id: str, path: str) -> dict:
+        self._single_shard("save")
+        with self._lock:
+            ctx = self.contexts.get(context_id)
+            if ctx.busy_with is not None:
+                raise ConflictError(f"context {context_id!r} is busy", param="id_slot")
+            holder = ctx.holder
+            blocks = holder.block_table[
+                : self.block_manager.blocks_needed(holder.num_computed_tokens)
+            ]
+            kv = self.runner.read_blocks(blocks)
+            tokens, computed = list(holder.token_ids), holder.num_computed_tokens
+        size = slot_files.save(Path(path), self.fingerprint(), tokens, computed, kv)
+        return {"n_saved": len(tokens), "n_written": size}
+
+    def restore_context(self, context_id: str, path: str) -> dict:
+        self._single_shard("restore")
+        tokens, computed, kv = slot_files.load(Path(path), self.fingerprint())
+        self._checked_tokens(tokens, "filename")
+        nblocks = self.block_manager.blocks_needed(computed)
+        if tuple(kv.shape[2:]) != (nblocks, *self.runner.k_caches[0].shape[1:]) or kv.shape[:2] != (
+            len(self.runner.k_caches),
+            2,
+        ):
+            raise InvalidRequestError(f"the KV in {Path(path).name!r} has the wrong shape")
+        with self._lock:
+            holder = Sequence(f"context:{context_id}", tokens, SamplingParams())
+            if not self.block_manager.can_append(holder, computed):
+                raise InvalidRequestError("not enough free KV cache blocks to restore it")
+            self.block_manager.append_slots(holder, computed)
+            self.runner.write_blocks(holder.block_table, kv)
+            holder.num_computed_tokens = computed
+            self.block_manager.register_computed(holder)
+            try:
+                self.contexts.adopt(context_id, holder)
+            except BaseException:
+                self.block_manager.free(holder)
+                raise
+            self._refresh_stats()
+        return {"n_restored": len(tokens)}
+
+    def _single_shard(self, action: str) -> None:
+        if self.runner.model.tp.enabled:
+            raise NotImplementedByServerError(
+                f"slot {action} needs tensor_parallel_size 1 (each shard holds part of the KV)"
+            )
 
     def slots(self) -> list[dict]:
         """llama.cpp's view: `max_num_seqs` slots; each running or waiting sequence holds

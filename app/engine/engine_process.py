@@ -235,6 +235,8 @@ _CALLS = {
     "free_context": lambda engine, context_id: engine.free_context(context_id),
     "context_tokens": lambda engine, context_id: engine.context_tokens(context_id),
     "slots": lambda engine: engine.slots(),
+    "save_context": lambda engine, context_id, path: engine.save_context(context_id, path),
+    "restore_context": lambda engine, context_id, path: engine.restore_context(context_id, path),
 }
 
 

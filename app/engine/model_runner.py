@@ -117,6 +117,18 @@ class ModelRunner:
             torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
         )
 
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """(layers, 2, len(blocks), ...) copies of those blocks' K and V, on the CPU."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        pairs = zip(self.k_caches, self.v_caches, strict=True)
+        return torch.stack([torch.stack([k[index], v[index]]) for k, v in pairs]).cpu()
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
+            k[index] = kv[layer, 0].to(self.device, k.dtype)
+            v[index] = kv[layer, 1].to(self.device, v.dtype)
+
     def _bind_caches(self) -> None:
         # Bound per run (30 attribute stores) so engines may share one model's weights.
         for layer, k, v in zip(self.model.model.layers, self.k_caches, self.v_caches, strict=True):

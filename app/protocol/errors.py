@@ -66,6 +66,11 @@ class NotFoundError(ShoalError):
     error_type = "not_found_error"
 
 
+class NotImplementedByServerError(ShoalError):
+    status_code = 501
+    error_type = "not_implemented_error"
+
+
 class ConflictError(ShoalError):
     status_code = 409
     error_type = "conflict_error"

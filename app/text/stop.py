@@ -10,6 +10,7 @@ class StopStrings:
         self.stops = [s for s in stops if s]
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Returns the text that is safe to emit; sets `stopped` when a stop string appears."""
@@ -18,11 +19,12 @@ class StopStrings:
         if not self.stops:
             return text
         buffer = self._pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := buffer.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits)
             self.stopped = True
             self._pending = ""
-            return buffer[: min(hits)]
+            return buffer[:at]
         keep = self._held_back(buffer)
         self._pending = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

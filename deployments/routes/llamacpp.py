@@ -4,15 +4,22 @@ A llama.cpp "slot" is one sequence the server decodes in parallel; here each mod
 replica has `max_num_seqs` of them (see LLMEngine.slots).
 """
 
-from collections.abc import Callable
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.messages import ContextOp, Primitive
 from app.protocol.sampling import SamplingParams
 from deployments.errors import openai_error
+from deployments.generation import Generation, StreamError
+from deployments.model_server import slot_context
 
 
 class TokenizeRequest(BaseModel):
@@ -27,6 +34,65 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tokens: list[int] = Field(max_length=1_000_000)
     model: str | None = None
+
+
+class SlotFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    filename: str | None = None
+    model: str | None = None
+
+
+class CompletionRequest(BaseModel):
+    """llama.cpp's /completion fields (the ones with a meaning here)."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: str | list[int] = ""
+    n_predict: int = Field(-1, ge=-1)
+    temperature: float = 0.8
+    top_k: int = Field(40, ge=0)
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    cache_prompt: bool = True
+    id_slot: int = -1
+    model: str | None = None
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        fields = dict(
+            max_tokens=default_max_tokens if self.n_predict == -1 else max(self.n_predict, 1),
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repeat_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=None if self.seed < 0 else self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+        try:
+            return SamplingParams(**fields)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            names = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
+            loc = str(err["loc"][0]) if err["loc"] else "request"
+            param = names.get(loc, loc)
+            raise InvalidRequestError(f"{param}: {err['msg']}", param) from exc
+
+
+class InfillRequest(CompletionRequest):
+    input_prefix: str = ""
+    input_suffix: str = ""
+
+
+# Fill-in-the-middle markers: StarCoder/Qwen-coder style, then CodeLlama style.
+FIM_TOKENS = [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<PRE>", "<SUF>", "<MID>")]
 
 
 class Unavailable(ShoalError):
@@ -100,7 +166,144 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary", "tokens")
         return {"content": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    @router.post("/slots/{id_slot}")
+    async def slot_action(id_slot: int, action: str, body: SlotFile | None = None) -> dict:
+        if action not in ("save", "restore", "erase"):
+            raise InvalidRequestError("action must be save, restore or erase", "action")
+        body = body or SlotFile()
+        if action != "erase" and not body.filename:
+            raise InvalidRequestError(f"{action} needs a filename", "filename")
+        ingress = get_ingress()
+        name = ingress.default_model(body.model)
+        try:
+            return await ingress.model_calls[name].slot_action.remote(
+                action, id_slot, body.filename
+            )
+        except Exception as exc:
+            raise unwrap(exc) from None
+
+    @router.post("/completion")
+    async def completion(req: CompletionRequest):  # noqa: ANN202
+        ingress = get_ingress()
+        name = ingress.default_model(req.model)
+        ids = req.prompt
+        if isinstance(ids, str):
+            ids = await ingress.tokenizer.encode.remote(name, ids, True) if ids else []
+        return await _complete(ingress, name, req, list(ids))
+
+    @router.post("/infill")
+    async def infill(req: InfillRequest):  # noqa: ANN202
+        ingress = get_ingress()
+        name = ingress.default_model(req.model)
+        tokenizer = ingress.tokenizers[name]
+        ids = fim_prompt(tokenizer, req.input_prefix, req.input_suffix, req.prompt, name)
+        return await _complete(ingress, name, req, ids)
+
     return router
+
+
+def fim_prompt(
+    tokenizer: Any, prefix: str, suffix: str, extra: str | list[int], model: str
+) -> list[int]:
+    """<prefix marker> prefix <suffix marker> suffix <middle marker> [prompt]."""
+    vocab = tokenizer.get_vocab()
+    markers = next((m for m in FIM_TOKENS if all(t in vocab for t in m)), None)
+    if markers is None:
+        raise InvalidRequestError(
+            f"model {model!r} has no fill-in-the-middle tokens "
+            f"({', '.join(FIM_TOKENS[0])} or {', '.join(FIM_TOKENS[1])}), so /infill "
+            "cannot be served for it",
+            "model",
+        )
+    pre, suf, mid = (vocab[t] for t in markers)
+
+    def enc(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+    tail = enc(extra) if isinstance(extra, str) else list(extra)
+    return [pre, *enc(prefix), suf, *enc(suffix), mid, *tail]
+
+
+async def _complete(ingress: Any, name: str, req: CompletionRequest, ids: list[int]):  # noqa: ANN202
+    if not ids:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    params = req.params(ingress.config.max_tokens_default)
+    context, new_ids = None, ids
+    if req.id_slot >= 0 and req.cache_prompt:
+        # The slot keeps its tokens and KV (a context): a prompt that extends them
+        # computes only the new part; any other prompt starts the slot afresh.
+        calls, slot = ingress.model_calls[name], slot_context(req.id_slot)
+        try:
+            held = await calls.context_tokens.remote(slot)
+        except Exception:
+            held = None
+        if held and len(held) < len(ids) and ids[: len(held)] == held:
+            new_ids = ids[len(held) :]
+        elif held is not None:
+            await calls.free_context.remote(slot)
+        context = ContextOp(slot, Primitive.GENERATE)
+    started = time.perf_counter()
+    gen = Generation(
+        ingress.models[name],
+        ingress.tokenizers[name],
+        new_ids,
+        params,
+        req.stop,
+        f"llamacpp-{uuid.uuid4().hex}",
+        context=context,
+        detok_prefix=ids,
+    )
+    await gen.start_or_raise()
+    out = gen.outputs[0]
+
+    def final() -> dict:
+        elapsed = time.perf_counter() - started
+        stop_type = "limit" if out.finish_reason == "length" else "eos"
+        word = ""
+        if out.stops.stopped:
+            stop_type, word = "word", out.stops.matched or ""
+        return {
+            "content": out.text,
+            "id_slot": req.id_slot,
+            "stop": True,
+            "stop_type": stop_type,
+            "stopping_word": word,
+            "model": name,
+            "tokens_predicted": out.num_tokens,
+            "tokens_evaluated": len(ids),
+            "tokens_cached": len(ids) - len(new_ids),
+            "truncated": False,
+            "generation_settings": params.model_dump(mode="json"),
+            "timings": {
+                "predicted_n": out.num_tokens,
+                "predicted_ms": 1000 * elapsed,
+                "predicted_per_second": out.num_tokens / elapsed if elapsed else 0.0,
+            },
+        }
+
+    if not req.stream:
+        async for _ in gen.deltas():
+            pass
+        return final()
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for d in gen.deltas():
+                if d.text:
+                    yield "data: " + json.dumps({"content": d.text, "stop": False}) + "\n\n"
+            yield "data: " + json.dumps({**final(), "content": ""}) + "\n\n"
+        except StreamError as exc:
+            yield "data: " + json.dumps({"error": {"message": exc.error.message}}) + "\n\n"
+        finally:
+            gen.cancel()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The replica's own error inside Ray's RayTaskError, when there is one."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
 
 
 async def _all_slots(ingress: Any) -> list[dict]:

@@ -53,7 +53,9 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
                 raise InvalidRequestError("streaming supports one prompt per request", "prompt")
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
             for i, ids in enumerate(prompts):
-                gen = await _start(ingress, req.model, ids, params, req.stop_strings, request, i)
+                gen = await start_generation(
+                    ingress, req.model, ids, params, req.stop_strings, request, i
+                )
                 async for _ in gen.deltas():
                     pass
                 for out in gen.outputs:
@@ -71,7 +73,9 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
                 "choices": choices,
                 "usage": usage,
             }
-        gen = await _start(ingress, req.model, prompts[0], params, req.stop_strings, request)
+        gen = await start_generation(
+            ingress, req.model, prompts[0], params, req.stop_strings, request
+        )
         if req.stream:
             return _sse(_completion_chunks(ingress, req, gen))
         async for _ in gen.deltas():
@@ -91,7 +95,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
         ids = await ingress.tokenizer.encode_chat.remote(req.model, req.template_messages())
         num_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, ingress.config.max_tokens_default, num_lp)
-        gen = await _start(ingress, req.model, ids, params, req.stop_strings, request)
+        gen = await start_generation(ingress, req.model, ids, params, req.stop_strings, request)
         if req.stream:
             return _sse(_chat_chunks(ingress, req, gen))
         async for _ in gen.deltas():
@@ -165,7 +169,7 @@ async def _prompts(ingress: Any, req: CompletionRequest) -> list[list[int]]:
     return [list(x) for x in p]
 
 
-async def _start(
+async def start_generation(
     ingress: Any,
     model: str,
     ids: list[int],

@@ -107,3 +107,71 @@ def test_abort_leaves_the_context_as_it_was(engine):
         engine.step()
     assert engine.context_tokens("c") == [1, 2, 3, 4, 5]
     assert len(run(engine, "g2", gen("c"), [])) == GREEDY.max_tokens  # not busy any more
+
+
+def test_save_restore_gives_the_same_continuation(engine, tiny_llama, tmp_path):
+    from app.engine import slot_files
+
+    run(engine, "f", fill("s"), list(range(1, 12)))
+    run(engine, "g", gen("s"), [])
+    path = slot_files.checked_path(tmp_path, "slot-1.bin")
+    saved = engine.save_context("s", str(path))
+    assert saved["n_saved"] == len(engine.context_tokens("s"))
+    expected = run(engine, "g2", gen("s"), [])
+    # Restore into a fresh engine (another replica of the same model): same continuation.
+    other = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+    other.restore_context("s", str(path))
+    assert run(other, "g3", gen("s"), []) == expected
+    assert other.stats.num_prompt_tokens <= 1  # nothing recomputed but the last token
+    # Erase: the context is gone and its blocks are free.
+    other.free_context("s")
+    assert other.block_manager.stats().used == 0
+
+
+def test_bad_slot_files_are_refused_and_the_engine_stays_well(engine, tiny_llama, tmp_path):
+    from app.engine import slot_files
+
+    run(engine, "f", fill("s"), [1, 2, 3, 4, 5, 6])
+    good = slot_files.checked_path(tmp_path, "good")
+    engine.save_context("s", str(good))
+    corrupt = tmp_path / "corrupt"
+    corrupt.write_bytes(good.read_bytes()[:100])
+    other_model = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=8)  # another layout
+    for target, path in ((engine, corrupt), (other_model, good), (engine, tmp_path / "none")):
+        with pytest.raises(InvalidRequestError):
+            target.restore_context("x", str(path))
+    assert "x" not in engine.contexts.contexts
+    assert len(run(engine, "g", gen("s"), [])) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "..",
+        "../escape",
+        "a/b",
+        "a\\b",
+        ".hidden",
+        "",
+        "x" * 256,
+        "bad\x00name",
+        "tab\tname",
+        "ｆｕｌｌｗｉｄｔｈ",
+        "a\u2215b",  # division slash, looks like '/'
+        "a\uff0fb",  # fullwidth solidus
+        "caf\u00e9",
+        "a..b",
+    ],
+)
+def test_slot_filenames_are_checked(tmp_path, name):
+    from app.engine import slot_files
+
+    with pytest.raises(InvalidRequestError):
+        slot_files.checked_path(tmp_path, name)
+
+
+def test_good_slot_filenames(tmp_path):
+    from app.engine import slot_files
+
+    for name in ("slot1.bin", "a-b_c.kv", "x" * 255):
+        assert slot_files.checked_path(tmp_path, name).parent == tmp_path.resolve()

@@ -2,6 +2,7 @@
 
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +17,13 @@ def _free(port: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def serve_app():
+def slot_dir(tmp_path_factory) -> Path:
+    """The secured app's slot directory (the default app has none: its slot saves are 501)."""
+    return tmp_path_factory.getbasetemp() / "slots" / "secured"
+
+
+@pytest.fixture(scope="session")
+def serve_app(slot_dir):
     import ray
     from ray import serve
 
@@ -24,6 +31,7 @@ def serve_app():
     from app.config import AppConfig
 
     assert _free(APP_PORT), f"port {APP_PORT} is busy"
+    slot_root = slot_dir
     # More logical CPUs than cores: replicas declare fractions, the engine sets its own threads.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
@@ -41,6 +49,7 @@ def serve_app():
                         "num_cpus": 0.5,
                         "max_ongoing_requests": 2,
                         "max_queued_requests": 1,
+                        "slot_save_path": str(slot_root),
                     }
                 ],
             }

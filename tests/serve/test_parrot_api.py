@@ -1,5 +1,6 @@
 """Parrot's primitives through the live app: Fill, Generate, forks, free, errors."""
 
+import copy
 import json
 
 import httpx
@@ -124,3 +125,85 @@ def test_llamacpp_health_slots_props_tokenize(base_url):
     assert text["content"] == "Hello world"
     bad = httpx.post(f"{base_url}/detokenize", json={"tokens": [10**9]}, timeout=30)
     assert bad.status_code == 400
+
+
+def test_llamacpp_completion_with_a_slot_reuses_its_prompt(base_url):
+    prompt = "Here is a list of fruits: apple, banana, cherry,"
+    body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "id_slot": 3}
+    first = httpx.post(f"{base_url}/completion", json=body, timeout=120).json()
+    assert first["tokens_predicted"] == 8 or first["stop_type"] == "eos"
+    assert first["tokens_cached"] == 0 and first["content"]
+    longer = {**body, "prompt": prompt + first["content"] + " and"}
+    second = httpx.post(f"{base_url}/completion", json=longer, timeout=120).json()
+    assert second["tokens_cached"] > 0  # the slot kept the first prompt and its reply
+    plain = httpx.post(f"{base_url}/completion", json={**longer, "id_slot": -1}, timeout=120).json()
+    assert plain["content"] == second["content"]
+    stopped = httpx.post(
+        f"{base_url}/completion", json={**body, "id_slot": -1, "stop": [","]}, timeout=120
+    ).json()
+    assert stopped["stop_type"] == "word" and "," not in stopped["content"]
+    pieces = []
+    with httpx.stream("POST", f"{base_url}/completion", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                pieces.append(json.loads(line[6:]))
+    assert pieces[-1]["stop"] is True
+    assert "".join(p["content"] for p in pieces) == first["content"]
+    assert httpx.post(f"{base_url}/slots/3?action=erase", timeout=60).json()["n_erased"] > 0
+
+
+def test_infill_without_fim_tokens_says_so(base_url):
+    r = httpx.post(
+        f"{base_url}/infill", json={"input_prefix": "def f(", "input_suffix": "):"}, timeout=60
+    )
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+
+
+def test_fim_prompt_layout(smollm2_tokenizer):
+    from deployments.routes.llamacpp import fim_prompt
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]}
+    )
+    ids = fim_prompt(tok, "def add(a, b):", "\n    return c", "", "m")
+    vocab = tok.get_vocab()
+    assert ids[0] == vocab["<fim_prefix>"] and ids[-1] == vocab["<fim_middle>"]
+    assert vocab["<fim_suffix>"] in ids
+
+
+def test_slot_save_restore_need_a_directory(base_url):
+    r = httpx.post(f"{base_url}/slots/0?action=save", json={"filename": "a.bin"}, timeout=60)
+    assert r.status_code == 501
+    bad = httpx.post(f"{base_url}/slots/0?action=fly", json={"filename": "a"}, timeout=60)
+    assert bad.status_code == 400
+
+
+def test_slot_save_erase_restore_through_the_api(base_url, slot_dir):
+    url, auth = f"{base_url}/secured", {"Authorization": "Bearer sk-test-1"}
+
+    def call(path: str, **kw) -> httpx.Response:
+        return httpx.post(f"{url}{path}", headers=auth, timeout=120, **kw)
+
+    body = {"prompt": "The three primary colors are", "n_predict": 6, "temperature": 0}
+    first = call("/completion", json={**body, "id_slot": 2}).json()
+    saved = call("/slots/2?action=save", json={"filename": "colors.slot"}).json()
+    assert saved["n_saved"] > 0 and (slot_dir / "colors.slot").is_file()
+    assert call("/slots/2?action=erase").json()["n_erased"] == saved["n_saved"]
+    restored = call("/slots/2?action=restore", json={"filename": "colors.slot"}).json()
+    assert restored["n_restored"] == saved["n_saved"]
+    follow = {**body, "prompt": body["prompt"] + first["content"] + " and", "id_slot": 2}
+    again = call("/completion", json=follow).json()
+    assert again["tokens_cached"] > 0  # served from the restored KV
+    fresh = call("/completion", json={**follow, "id_slot": -1}).json()
+    assert again["content"] == fresh["content"]
+
+    (slot_dir / "junk.slot").write_bytes(b"not a slot file")
+    for name in ("../outside", "a/b", "..", ".hidden", "x" * 256, "a\u2215b", "nul\x00"):
+        r = call("/slots/2?action=save", json={"filename": name})
+        assert r.status_code == 400, (name, r.text)
+    assert not (slot_dir.parent / "outside").exists()
+    for name in ("junk.slot", "missing.slot"):
+        r = call("/slots/2?action=restore", json={"filename": name})
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    assert call("/completion", json=body).status_code == 200  # the replica is fine
