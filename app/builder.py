@@ -8,6 +8,9 @@ from app.config import AppConfig, ModelDeploymentConfig
 
 
 def build_app(config: AppConfig) -> Application:
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.context_router import ContextAffinityRouter
     from deployments.embeddings import EmbedderDeployment
     from deployments.ingress import make_ingress
     from deployments.model_server import ModelServerDeployment
@@ -24,6 +27,7 @@ def build_app(config: AppConfig) -> Application:
             num_replicas=m.num_replicas,
             max_ongoing_requests=m.max_ongoing_requests,
             max_queued_requests=m.max_queued_requests,
+            request_router_config=RequestRouterConfig(request_router_class=ContextAffinityRouter),
             **replica_resources(m),
         ).bind(m)
     embedder = None

@@ -1,0 +1,63 @@
+"""With two replicas, every primitive on a context reaches the replica that holds it."""
+
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def pair_url(base_url):
+    from app.builder import build_app
+    from app.config import AppConfig
+
+    config = AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "models": [{"num_replicas": 2, "num_cpus": 0.5, "engine": {"num_threads": 1}}],
+        }
+    )
+    serve.run(build_app(config), name="pair", route_prefix="/pair", blocking=False)
+    deadline = time.time() + 300
+    while httpx.get(f"{base_url}/pair/health", timeout=30).status_code != 200:
+        assert time.time() < deadline, "the two-replica app did not start"
+        time.sleep(1)
+    yield f"{base_url}/pair"
+    serve.delete("pair")
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def test_every_primitive_reaches_the_holder(pair_url):
+    greedy = {"temperature": 0, "max_gen_length": 4}
+    contexts = [f"ctx-{i}" for i in range(8)]
+    for i, cid in enumerate(contexts):
+        r = post(
+            pair_url,
+            "/fill",
+            {"session_id": 1, "task_id": i, "context_id": cid, "text": f"Item {i}:"},
+        )
+        assert r.status_code == 200, r.text
+    for _ in range(2):  # each Generate and Fill must find its context (else 404)
+        for i, cid in enumerate(contexts):
+            ids = {"session_id": 1, "task_id": 100 + i, "context_id": cid}
+            r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+            assert r.status_code == 200, r.text
+            r = post(pair_url, "/fill", {**ids, "text": " and more"})
+            assert r.status_code == 200, r.text
+    child = {"session_id": 1, "task_id": 999, "context_id": "child", "parent_context_id": "ctx-3"}
+    assert post(pair_url, "/generate", {**child, "sampling_config": greedy}).status_code == 200
+    # Both replicas hold some of them (the router spread the new contexts).
+    handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="pair")
+    held = {}
+    for _ in range(20):
+        stats = handle.stats.remote().result(timeout_s=30)
+        held[stats["replica"]] = stats["num_contexts"]
+    assert len(held) == 2 and sum(held.values()) == len(contexts) + 1
+    for cid in [*contexts, "child"]:
+        assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
