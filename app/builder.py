@@ -14,8 +14,12 @@ def build_app(config: AppConfig) -> Application:
     from deployments.embeddings import EmbedderDeployment
     from deployments.ingress import make_ingress
     from deployments.model_server import ModelServerDeployment
+    from deployments.registry import RegistryDeployment
     from deployments.tokenizer import TokenizerDeployment
 
+    registry = RegistryDeployment.options(
+        ray_actor_options={"num_cpus": config.tokenizer_num_cpus / 4}
+    ).bind()
     tokenizer = TokenizerDeployment.options(
         max_ongoing_requests=config.tokenizer_max_ongoing_requests,
         ray_actor_options={"num_cpus": config.tokenizer_num_cpus},
@@ -29,7 +33,7 @@ def build_app(config: AppConfig) -> Application:
             max_queued_requests=m.max_queued_requests,
             request_router_config=RequestRouterConfig(request_router_class=ContextAffinityRouter),
             **replica_resources(m),
-        ).bind(m)
+        ).bind(m, registry)
     embedder = None
     if config.embeddings.enabled:
         embedder = EmbedderDeployment.options(
@@ -43,7 +47,7 @@ def build_app(config: AppConfig) -> Application:
             max_ongoing_requests=config.ingress_max_ongoing_requests,
             ray_actor_options={"num_cpus": config.ingress_num_cpus},
         )
-        .bind(tokenizer, models, embedder)
+        .bind(tokenizer, models, embedder, registry)
     )
 
 

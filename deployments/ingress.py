@@ -85,9 +85,15 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
 
 class Ingress:
     def __init__(
-        self, config: AppConfig, tokenizer: Any, models: dict[str, Any], embedder: Any
+        self,
+        config: AppConfig,
+        tokenizer: Any,
+        models: dict[str, Any],
+        embedder: Any,
+        registry: Any = None,
     ) -> None:
         self.config = config
+        self.registry = registry
         self.tokenizer = tokenizer
         # Configured once and cached: per-request .options() is slow.
         self.models = {name: h.options(stream=True) for name, h in models.items()}
@@ -148,8 +154,10 @@ def make_ingress(config: AppConfig):  # noqa: ANN201 (a Serve deployment class)
 
     @serve.ingress(app)
     class ShoalIngress(Ingress):
-        def __init__(self, tokenizer: Any, models: dict[str, Any], embedder: Any) -> None:
-            super().__init__(config, tokenizer, models, embedder)
+        def __init__(
+            self, tokenizer: Any, models: dict[str, Any], embedder: Any, registry: Any = None
+        ) -> None:
+            super().__init__(config, tokenizer, models, embedder, registry)
             register_replica(self)
 
     return serve.deployment(ShoalIngress, name="Ingress")

@@ -1,11 +1,14 @@
 """ModelServer: one replica = one engine (in its own process); streams token deltas back to
 the ingress."""
 
+import asyncio
 import logging
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
@@ -24,6 +27,7 @@ from app.protocol.errors import (
 )
 from app.protocol.messages import EngineErrorMessage, GenerateRequest
 from app.protocol.outputs import TokenDelta
+from deployments.registry import HEARTBEAT_S, runtime_info
 from deployments.shard_actor import ShardActor
 
 logger = logging.getLogger("ray.serve")
@@ -37,7 +41,7 @@ def slot_context(slot_id: int) -> str:
 
 
 class ModelServer:
-    def __init__(self, config: ModelDeploymentConfig) -> None:
+    def __init__(self, config: ModelDeploymentConfig, registry: Any = None) -> None:
         self.config = config
         # The step loop runs in a child process with its own thread count (Ray sets
         # OMP_NUM_THREADS to num_cpus here), so this process's event loop, which handles
@@ -52,7 +56,33 @@ class ModelServer:
             self._stop_shards()
             raise
         self.pacer = StreamPacer(config.stream_messages_per_s)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._stopping = threading.Event()
+        if registry is not None:
+            threading.Thread(
+                target=self._heartbeats, args=(registry,), name="shoal-heartbeat", daemon=True
+            ).start()
         logger.info("model %s ready", config.name)
+
+    def _heartbeats(self, registry: Any) -> None:
+        """Register with the EngineRegistry, then send runtime info every HEARTBEAT_S."""
+        registered, previous, last = False, None, time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                if not registered:
+                    engine = self.config.engine.model_dump(mode="json")
+                    registry.register.remote(self.replica_id, self.config.name, engine).result(
+                        timeout_s=10
+                    )
+                    registered = True
+                stats = asyncio.run(self.engine.call("stats"))
+                now = time.monotonic()
+                info = runtime_info(stats, previous, now - last)
+                previous, last = stats, now
+                registered = registry.heartbeat.remote(self.replica_id, info).result(timeout_s=10)
+            except Exception as exc:  # the registry restarting, the engine gone: retry
+                logger.debug("heartbeat failed: %s", exc)
+            self._stopping.wait(HEARTBEAT_S)
 
     async def generate(
         self, request: GenerateRequest
@@ -170,6 +200,9 @@ class ModelServer:
         self.shards.clear()
 
     def __del__(self) -> None:
+        stopping = getattr(self, "_stopping", None)
+        if stopping is not None:
+            stopping.set()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()  # tells the shards to stop too

@@ -79,6 +79,14 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
             raise unwrap(exc) from None
         return {"context_id": req.context_id, "context_len": freed}
 
+    @router.get("/engines")
+    async def engines() -> dict:
+        """Registered model replicas and their last runtime info (see EngineRegistry)."""
+        ingress = get_ingress()
+        if ingress.registry is None:
+            return {"engines": []}
+        return {"engines": await ingress.registry.list.remote()}
+
     @router.get("/ping_engine")
     async def ping_engine() -> dict:
         ingress = get_ingress()

@@ -207,3 +207,25 @@ def test_slot_save_erase_restore_through_the_api(base_url, slot_dir):
         r = call("/slots/2?action=restore", json={"filename": name})
         assert r.status_code == 400 and r.json()["error"]["message"]
     assert call("/completion", json=body).status_code == 200  # the replica is fine
+
+
+def test_engines_lists_live_replicas_with_runtime_info(base_url):
+    import time
+
+    deadline = time.time() + 30
+    while True:
+        engines = httpx.get(f"{base_url}/engines", timeout=30).json()["engines"]
+        if engines and engines[0]["runtime_info"]:
+            break
+        assert time.time() < deadline, engines
+        time.sleep(1)
+    engine = engines[0]
+    assert engine["engine_name"] == MODEL and engine["seconds_since_heartbeat"] < 10
+    assert {
+        "num_running",
+        "num_waiting",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "num_contexts",
+        "tokens_per_s",
+    } <= set(engine["runtime_info"])
