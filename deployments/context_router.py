@@ -62,7 +62,9 @@ class ContextAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if context is None:
             return
         key = (self._deployment_id.app_name, self._deployment_id.name, context)
-        if pending_request.metadata.call_method == "free_context":
+        method, args = pending_request.metadata.call_method, pending_request.args
+        if method == "free_context":
             _HOLDERS.pop(key, None)
-        else:
+        elif method == "generate" or (method == "slot_action" and args[0] == "restore"):
+            # Only calls that can create the context pin it; a lookup must not.
             _HOLDERS.setdefault(key, replica_id.unique_id)

@@ -50,14 +50,18 @@ def test_every_primitive_reaches_the_holder(pair_url):
             assert r.status_code == 200, r.text
             r = post(pair_url, "/fill", {**ids, "text": " and more"})
             assert r.status_code == 200, r.text
-    child = {"session_id": 1, "task_id": 999, "context_id": "child", "parent_context_id": "ctx-3"}
-    assert post(pair_url, "/generate", {**child, "sampling_config": greedy}).status_code == 200
+    children = [f"child-{i}" for i in range(4)]
+    for i, name in enumerate(children):  # a new child is made where its parent lives
+        child = {"session_id": 1, "task_id": 900 + i, "context_id": name}
+        child["parent_context_id"] = contexts[i]
+        r = post(pair_url, "/generate", {**child, "sampling_config": greedy})
+        assert r.status_code == 200, r.text
     # Both replicas hold some of them (the router spread the new contexts).
     handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="pair")
     held = {}
     for _ in range(20):
         stats = handle.stats.remote().result(timeout_s=30)
         held[stats["replica"]] = stats["num_contexts"]
-    assert len(held) == 2 and sum(held.values()) == len(contexts) + 1
-    for cid in [*contexts, "child"]:
+    assert len(held) == 2 and sum(held.values()) == len(contexts) + len(children)
+    for cid in [*contexts, *children]:
         assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
