@@ -144,6 +144,10 @@ class ModelServer:
             "timings": {f"{action}_ms": ms},
         }
 
+    def info(self) -> dict:
+        """What the engine reported at start-up: model, max_model_len."""
+        return dict(self.engine.info)
+
     async def slots(self) -> list[dict]:
         return await self.engine.call("slots")
 

@@ -133,12 +133,13 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
         cfg = ingress.config.model(name)
         tokenizer = ingress.tokenizers[name]
         defaults = SamplingParams(max_tokens=ingress.config.max_tokens_default)
+        info = await ingress.model_calls[name].info.remote()
         return {
             "model": name,
             "model_path": cfg.engine.model,
             "total_slots": cfg.engine.max_num_seqs * cfg.num_replicas,
             "default_generation_settings": {
-                "n_ctx": cfg.engine.max_model_len,
+                "n_ctx": info["max_model_len"],
                 "params": defaults.model_dump(mode="json"),
             },
             "chat_template": getattr(tokenizer, "chat_template", None) or "",

@@ -115,6 +115,7 @@ def test_llamacpp_health_slots_props_tokenize(base_url):
     props = httpx.get(f"{base_url}/props", timeout=30).json()
     assert props["total_slots"] == len(slots) and "{%" in props["chat_template"]
     assert props["default_generation_settings"]["params"]["max_tokens"] > 0
+    assert props["default_generation_settings"]["n_ctx"] == slots[0]["n_ctx"] == 8192
     toks = httpx.post(
         f"{base_url}/tokenize", json={"content": "Hello world", "with_pieces": True}, timeout=30
     ).json()["tokens"]
