@@ -42,21 +42,43 @@ def openai_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def is_ollama(request: Request) -> bool:
+    """Ollama's routes (/api/...) answer errors in Ollama's shape: {"error": "..."}."""
+    path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path.startswith("/api/")
+
+
+def error_response(
+    request: Request,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    if is_ollama(request):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return openai_error(status, message, param, code, error_type, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ShoalError)
     async def _shoal(request: Request, exc: ShoalError) -> JSONResponse:
         headers = None
         if exc.retry_after_s is not None:
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        return openai_error(
-            exc.status_code, exc.message, exc.param, exc.code, exc.error_type, headers
+        return error_response(
+            request, exc.status_code, exc.message, exc.param, exc.code, exc.error_type, headers
         )
 
     @app.exception_handler(StreamError)
     async def _stream(request: Request, exc: StreamError) -> JSONResponse:
         # A non-streamed request whose generation failed after it started.
         e = exc.error
-        return openai_error(e.status_code, e.message, e.param, error_type=e.error_type)
+        return error_response(request, e.status_code, e.message, e.param, error_type=e.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -64,15 +86,14 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc)
-        return openai_error(
-            400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param
-        )
+        message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+        return error_response(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return openai_error(exc.status_code, str(exc.detail))
+        return error_response(request, exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s", request.url.path)
-        return openai_error(500, "internal server error", error_type="server_error")
+        return error_response(request, 500, "internal server error", error_type="server_error")

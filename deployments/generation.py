@@ -79,6 +79,7 @@ class Generation:
         )
         self._first: TokenDelta | EngineErrorMessage | None = None
         self._timer = timer  # TokenTimer or None
+        self.first_token_at: float | None = None  # perf_counter of the first token
 
     @property
     def completion_tokens(self) -> int:
@@ -119,6 +120,8 @@ class Generation:
             if out.finish_reason is not None:
                 continue  # already cut by a stop string
             out.num_tokens += len(item.token_ids)
+            if self.first_token_at is None and item.token_ids:
+                self.first_token_at = time.perf_counter()
             if self._timer is not None and item.token_ids:
                 self._timer.tokens(len(item.token_ids))
             text = out.stops.feed(out.detok.add(item.token_ids))

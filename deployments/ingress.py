@@ -17,6 +17,7 @@ from app.protocol.errors import ShoalError
 from deployments.errors import install_error_handlers, openai_error
 from deployments.metrics import IngressMetrics
 from deployments.routes.llamacpp import build_router as build_llamacpp_router
+from deployments.routes.ollama import build_router as build_ollama_router
 from deployments.routes.openai import build_router
 from deployments.routes.parrot import build_router as build_parrot_router
 
@@ -33,6 +34,7 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
     app.include_router(build_router(get_ingress))
     app.include_router(build_parrot_router(get_ingress))
     app.include_router(build_llamacpp_router(get_ingress))
+    app.include_router(build_ollama_router(get_ingress))
     install_error_handlers(app)
     if config.cors_origins:
         app.add_middleware(
