@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import EngineConfig  # noqa: E402
 from app.engine.engine_process import EngineProcess  # noqa: E402
-from app.engine.shard import free_local_address, spawn_local_shards  # noqa: E402
+from app.engine.shard import (  # noqa: E402
+    free_local_address,
+    spawn_local_shards,
+    stop_local_shards,
+)
 from app.protocol import SamplingParams  # noqa: E402
 
 
@@ -66,11 +69,7 @@ def measure(config: EngineConfig, batch: int, new_tokens: int) -> dict:
         batched = asyncio.run(decode(engine, batch, new_tokens, seed=2))
     finally:
         engine.shutdown()
-        for shard in shards:
-            try:
-                shard.wait(15)
-            except subprocess.TimeoutExpired:
-                shard.kill()
+        stop_local_shards(shards)
     return {
         "batch1_ms_per_step": single["ms_per_step"],
         f"batch{batch}_tok_s": batched["tok_s"],

@@ -42,6 +42,12 @@ def openai_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """The replica's own error inside Ray's RayTaskError, when there is one."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
 def is_ollama(request: Request) -> bool:
     """Ollama's routes (/api/...) answer errors in Ollama's shape: {"error": "..."}."""
     path, root = request.scope.get("path", ""), request.scope.get("root_path", "")

@@ -106,9 +106,7 @@ class ModelServer:
 
     async def free_context(self, context_id: str) -> int:
         """Drop a context; returns how many tokens it held."""
-        tokens = await self.engine.call("context_tokens", context_id)
-        await self.engine.call("free_context", context_id)
-        return len(tokens)
+        return await self.engine.call("free_context", context_id)
 
     async def slot_action(self, action: str, slot_id: int, filename: str | None) -> dict:
         """llama.cpp's POST /slots/{id}?action=save|restore|erase on context slot-{id}."""

@@ -119,10 +119,13 @@ class LLMEngine:
                 raise
             self.requests[request_id] = [seq]
 
-    def free_context(self, context_id: str) -> None:
+    def free_context(self, context_id: str) -> int:
+        """Drop a context; returns how many tokens it held."""
         with self._lock:
+            held = len(self.contexts.get(context_id).token_ids)
             self.contexts.free(context_id)
             self._refresh_stats()
+            return held
 
     def context_tokens(self, context_id: str) -> list[int]:
         with self._lock:

@@ -45,9 +45,6 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 
-RemoteEngineError = RemoteError  # a ShoalError raised in the engine process
-
-
 def _error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
     if isinstance(exc, ShoalError):
         return exc.status_code, exc.error_type, exc.message, exc.param
@@ -95,7 +92,7 @@ class EngineProcess:
             raise
         if first[0] == "fatal":
             self._proc.wait()
-            raise RemoteEngineError(*first[1:])
+            raise RemoteError(*first[1:])
         self.info: dict[str, Any] = first[1]
         self.last_message_at = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name="shoal-engine-io", daemon=True)
@@ -195,7 +192,7 @@ class EngineProcess:
                 if kind == "deltas":
                     self._streams.dispatch(message[1])
                 elif kind == "error":
-                    self._streams.fail(message[1], RemoteEngineError(*message[2:]))
+                    self._streams.fail(message[1], RemoteError(*message[2:]))
                 elif kind == "reply":
                     self._resolve(*message[1:])
                 elif kind == "fatal":
@@ -223,7 +220,7 @@ class EngineProcess:
             if ok:
                 future.set_result(value)
             else:
-                future.set_exception(RemoteEngineError(*value))
+                future.set_exception(RemoteError(*value))
 
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed
             loop.call_soon_threadsafe(settle)

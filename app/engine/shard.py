@@ -85,6 +85,15 @@ def spawn_local_shards(config: EngineConfig, master: str) -> list[subprocess.Pop
     ]
 
 
+def stop_local_shards(shards: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """Wait for shards that rank 0 told to stop; kill the ones that do not."""
+    for shard in shards:
+        try:
+            shard.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            shard.kill()
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shard %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(description="one tensor-parallel shard (rank >= 1)")

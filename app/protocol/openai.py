@@ -2,10 +2,11 @@
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.sampling import SamplingParams
+from app.protocol.sampling import sampling_params as build_sampling_params
 
 
 class StreamOptions(BaseModel):
@@ -126,15 +127,7 @@ def sampling_params(
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
     )
-    try:
-        return SamplingParams(**fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = str(err["loc"][0]) if err["loc"] else None
-        if (
-            loc == "max_tokens"
-            and isinstance(req, ChatCompletionRequest)
-            and req.max_completion_tokens is not None
-        ):
-            loc = "max_completion_tokens"
-        raise InvalidRequestError(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc) from exc
+    names = {}
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return build_sampling_params(fields, names)

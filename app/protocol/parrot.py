@@ -1,9 +1,8 @@
 """Parrot's primitive requests (Fill / Generate on contexts) and their sampling config."""
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import SamplingParams
+from app.protocol.sampling import SamplingParams, sampling_params
 
 # Ids are ints in Parrot; strings are accepted too. Either way: no empty or huge values.
 ContextId = int | str
@@ -76,22 +75,17 @@ class SamplingConfig(BaseModel):
     seed: int | None = None
 
     def params(self) -> SamplingParams:
-        try:
-            return SamplingParams(
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                max_tokens=self.max_gen_length,
-                ignore_eos=self.ignore_tokenizer_eos,
-                stop_token_ids=tuple(self.stop_token_ids),
-                seed=self.seed,
-            )
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = str(err["loc"][0]) if err["loc"] else None
-            names = {"max_tokens": "max_gen_length", "ignore_eos": "ignore_tokenizer_eos"}
-            param = f"sampling_config.{names.get(loc, loc)}" if loc else "sampling_config"
-            raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from exc
+        fields = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_gen_length,
+            ignore_eos=self.ignore_tokenizer_eos,
+            stop_token_ids=tuple(self.stop_token_ids),
+            seed=self.seed,
+        )
+        names = {"max_tokens": "max_gen_length", "ignore_eos": "ignore_tokenizer_eos"}
+        return sampling_params(fields, names, prefix="sampling_config.")
 
     @property
     def stop_strings(self) -> list[str]:

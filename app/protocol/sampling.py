@@ -1,6 +1,10 @@
 """SamplingParams: how to pick tokens and when to stop, validated once at the edge."""
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 
@@ -53,3 +57,18 @@ class SamplingParams(BaseModel):
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def sampling_params(
+    fields: dict[str, Any], names: dict[str, str] | None = None, prefix: str = ""
+) -> SamplingParams:
+    """SamplingParams from a dialect's fields; a bad value is an InvalidRequestError whose
+    `param` is the dialect's own name for it (`names`: our field -> theirs)."""
+    try:
+        return SamplingParams(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = str(err["loc"][0]) if err["loc"] else ""
+        param = prefix + (names or {}).get(loc, loc) if loc else prefix.rstrip(".") or None
+        message = f"{param}: {err['msg']}" if param else err["msg"]
+        raise InvalidRequestError(message, param=param) from exc

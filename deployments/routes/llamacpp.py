@@ -12,12 +12,12 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.messages import ContextOp, Primitive
-from app.protocol.sampling import SamplingParams
-from deployments.errors import openai_error
+from app.protocol.sampling import SamplingParams, sampling_params
+from deployments.errors import openai_error, unwrap
 from deployments.generation import Generation, StreamError
 from deployments.model_server import slot_context
 
@@ -76,14 +76,8 @@ class CompletionRequest(BaseModel):
             seed=None if self.seed < 0 else self.seed,
             ignore_eos=self.ignore_eos,
         )
-        try:
-            return SamplingParams(**fields)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            names = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
-            loc = str(err["loc"][0]) if err["loc"] else "request"
-            param = names.get(loc, loc)
-            raise InvalidRequestError(f"{param}: {err['msg']}", param) from exc
+        names = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
+        return sampling_params(fields, names)
 
 
 class InfillRequest(CompletionRequest):
@@ -299,12 +293,6 @@ async def _complete(ingress: Any, name: str, req: CompletionRequest, ids: list[i
             gen.cancel()
 
     return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The replica's own error inside Ray's RayTaskError, when there is one."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
 
 
 async def _all_slots(ingress: Any) -> list[dict]:

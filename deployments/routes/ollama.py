@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
-from app.protocol.sampling import SamplingParams
+from app.protocol.sampling import SamplingParams, sampling_params
 from deployments.generation import Generation, StreamError
 from deployments.routes.openai import start_generation
 
@@ -271,15 +271,8 @@ async def _params(ingress: Any, name: str, req: _Common) -> tuple[SamplingParams
         "presence_penalty": o.presence_penalty or 0.0,
         "frequency_penalty": o.frequency_penalty or 0.0,
     }
-    try:
-        params = SamplingParams(**fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        names = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
-        loc = str(err["loc"][0]) if err["loc"] else "options"
-        raise InvalidRequestError(
-            f"invalid option {names.get(loc, loc)}: {err['msg']}", "options"
-        ) from exc
+    names = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
+    params = sampling_params(fields, names, prefix="options.")
     stop = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
     return params, stop
 

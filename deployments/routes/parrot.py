@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from app.protocol.messages import ContextOp, Primitive
 from app.protocol.parrot import FillRequest, FreeContextRequest, GenerateRequest
 from app.protocol.sampling import SamplingParams
+from deployments.errors import unwrap
 from deployments.generation import Generation, StreamError
 
 _FILL_PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -132,12 +133,6 @@ async def _context_tokens(ingress: Any, model: str, context_id: str) -> list[int
         if getattr(unwrap(exc), "status_code", None) == 404:
             return None
         raise unwrap(exc) from None
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The replica's own error inside Ray's RayTaskError, when there is one."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
 
 
 async def _token_ids(gen: Generation, ids: list[int]) -> AsyncIterator[tuple[list, str, Any]]:

@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from app.engine import EngineConfig, LLMEngine
 from app.engine.async_engine import EngineDeadError
 from app.engine.engine_process import EngineProcess
-from app.engine.shard import free_local_address, spawn_local_shards
+from app.engine.shard import free_local_address, spawn_local_shards, stop_local_shards
 from app.models.attention import select_backend
 from app.models.loader import load_model
 from app.models.parallel import TPGroup
@@ -37,11 +36,7 @@ def tp_engine(config: EngineConfig):
     finally:
         if engine is not None:
             engine.shutdown()
-        for shard in shards:
-            try:
-                shard.wait(15)
-            except subprocess.TimeoutExpired:
-                shard.kill()
+        stop_local_shards(shards)
 
 
 def run_all(engine: EngineProcess, params: SamplingParams) -> list[list]:
