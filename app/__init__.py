@@ -1,8 +1,8 @@
 """Shoal: LLM serving on Ray Serve.
 
-Importing `app` has no side effects. `serve run app:graph` reaches the Serve
-application through PEP 562's module `__getattr__`, so the builder (and Ray)
-are imported only when the graph is asked for.
+Importing `app` has no side effects. `serve run app:graph` reaches the application
+builder (app.builder.graph, which takes typed args) through PEP 562's module
+`__getattr__`, so Ray is imported only when the graph is asked for.
 """
 
 from typing import Any
@@ -10,7 +10,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "graph":
-        from app.builder import build_default_app
+        from app.builder import graph
 
-        return build_default_app()
+        return graph
     raise AttributeError(f"module 'app' has no attribute {name!r}")

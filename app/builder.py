@@ -4,13 +4,13 @@ from typing import Any
 
 from ray.serve import Application
 
-from app.config import AppConfig, ModelDeploymentConfig
+from app.config import AppArgs, AppConfig, ModelDeploymentConfig
 
 
 def build_app(config: AppConfig) -> Application:
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.context_router import ContextAffinityRouter
+    from deployments.affinity_router import AffinityRouter
     from deployments.embeddings import EmbedderDeployment
     from deployments.ingress import make_ingress
     from deployments.model_server import ModelServerDeployment
@@ -28,10 +28,19 @@ def build_app(config: AppConfig) -> Application:
     for m in config.models:
         models[m.name] = ModelServerDeployment.options(
             name=f"ModelServer:{m.name}",
-            num_replicas=m.num_replicas,
+            **replica_count(m),
             max_ongoing_requests=m.max_ongoing_requests,
             max_queued_requests=m.max_queued_requests,
-            request_router_config=RequestRouterConfig(request_router_class=ContextAffinityRouter),
+            graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
+            # A drained replica exits within half a second rather than Serve's 2 s loop.
+            graceful_shutdown_wait_loop_s=0.5,
+            request_router_config=RequestRouterConfig(
+                request_router_class=AffinityRouter,
+                request_router_kwargs={
+                    "routing": m.routing.model_dump(),
+                    "block_size": m.engine.block_size,
+                },
+            ),
             **replica_resources(m),
         ).bind(m, registry)
     embedder = None
@@ -49,6 +58,23 @@ def build_app(config: AppConfig) -> Application:
         )
         .bind(tokenizer, models, embedder, registry)
     )
+
+
+def replica_count(m: ModelDeploymentConfig) -> dict[str, Any]:
+    if m.autoscaling is None:
+        return {"num_replicas": m.num_replicas}
+    a = m.autoscaling
+    return {
+        "autoscaling_config": {
+            "min_replicas": a.min_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
+        },
+    }
 
 
 def replica_resources(m: ModelDeploymentConfig) -> dict[str, Any]:
@@ -70,11 +96,8 @@ def replica_resources(m: ModelDeploymentConfig) -> dict[str, Any]:
     }
 
 
-def build_default_app() -> Application:
-    """`serve run app:graph`: config from $SHOAL_CONFIG, else the defaults."""
-    return build_app(AppConfig.from_env())
-
-
-def app_builder(args: dict[str, Any]) -> Application:
-    """`serve run app.builder:app_builder key=value` / serveConfigV2 `args`."""
-    return build_app(AppConfig.from_args(args))
+def graph(args: AppArgs) -> Application:
+    """`serve run app:graph [key=value ...]`, or `import_path: app:graph` with `args` in a
+    Serve config file (KubeRay's serveConfigV2). Serve validates the args into AppArgs
+    (the annotation tells it to); with none, the config is $SHOAL_CONFIG's or the defaults."""
+    return build_app(args.resolve())

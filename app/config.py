@@ -16,6 +16,51 @@ from app.engine.config import EngineConfig
 from app.models.source import DEFAULT_MODEL
 
 
+class AutoscalingConfig(BaseModel):
+    """Serve's autoscaling for one model's replicas, with defaults for LLM replicas: a
+    replica batches dozens of streams, so it scales on ongoing requests per replica well
+    above one; it takes tens of seconds to load, so it scales up after a short sustained
+    rise and down only after minutes of quiet."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(
+        16, gt=0, description="Ongoing requests per replica the autoscaler aims for."
+    )
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(300.0, ge=0)
+    look_back_period_s: float = Field(20.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.min_replicas must be <= max_replicas")
+        return self
+
+
+class RoutingConfig(BaseModel):
+    """How the ModelServer's request router picks a replica (deployments/affinity_router.py).
+    Requests naming a context always go where it lives; the rest prefer the replica that
+    served their longest prompt prefix, unless it is busier than the least loaded by more
+    than `max_imbalance` ongoing requests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefix_affinity: bool = True
+    max_imbalance: int = Field(
+        8, ge=0, description="Ongoing requests a prefix holder may exceed the least loaded by."
+    )
+    min_match_tokens: int = Field(
+        32, ge=1, description="Shorter shared prefixes are not worth a detour."
+    )
+    max_prefix_tokens: int = Field(4096, ge=1, description="Prompt tokens indexed per request.")
+    max_indexed_blocks: int = Field(
+        200_000, ge=1, description="Prefix blocks remembered per ingress (LRU)."
+    )
+
+
 class ModelDeploymentConfig(BaseModel):
     """One served model: its engine and the Serve options of its replicas."""
 
@@ -23,12 +68,22 @@ class ModelDeploymentConfig(BaseModel):
 
     name: str = Field(DEFAULT_MODEL, description="The id clients put in `model`.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count (no autoscaling).")
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Set to scale between min and max replicas; num_replicas is then unused."
+    )
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (= tensor-parallel size).")
     max_ongoing_requests: int = Field(64, ge=1, description="Concurrent requests per replica.")
     max_queued_requests: int = Field(
         64, ge=-1, description="Requests waiting for a replica; -1: no limit."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="A stopping replica takes no new requests and gives open streams this long "
+        "to finish; the rest end with an error event.",
     )
     slot_save_path: str | None = Field(
         None, description="Directory for POST /slots/{id}?action=save|restore; None: off (501)."
@@ -88,16 +143,20 @@ class AppConfig(BaseModel):
         data = yaml.safe_load(Path(path).read_text()) or {}
         return cls.model_validate(data)
 
-    @classmethod
-    def from_env(cls) -> "AppConfig":
-        path = os.environ.get("SHOAL_CONFIG")
-        return cls.from_yaml(path) if path else cls()
 
-    @classmethod
-    def from_args(cls, args: dict[str, Any]) -> "AppConfig":
-        """Serve's typed args; a `config_path` key loads that file first."""
-        args = dict(args)
+class AppArgs(AppConfig):
+    """The typed args of `app:graph` (serveConfigV2 `args`, `serve run app:graph k=v`):
+    AppConfig's fields, validated by Serve before the graph is built, plus a YAML file to
+    start from. Fields given here override the file's."""
+
+    config_path: str | None = Field(
+        None, description="YAML AppConfig to start from; default: $SHOAL_CONFIG, if set."
+    )
+
+    def resolve(self) -> AppConfig:
+        path = self.config_path or os.environ.get("SHOAL_CONFIG")
         base: dict[str, Any] = {}
-        if "config_path" in args:
-            base = yaml.safe_load(Path(args.pop("config_path")).read_text()) or {}
-        return cls.model_validate({**base, **args})
+        if path:
+            base = yaml.safe_load(Path(path).read_text()) or {}
+        given = self.model_dump(include=self.model_fields_set - {"config_path"})
+        return AppConfig.model_validate({**base, **given})
