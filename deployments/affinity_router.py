@@ -1,14 +1,19 @@
-"""ContextAffinityRouter: requests that name a context reach the replica that holds it.
+"""AffinityRouter: send a request to the replica whose KV cache already holds its start.
 
-A context (Parrot's, or a llama.cpp slot) lives in one replica's KV cache. Serve routes
-each handle call through this router (the deployment's `request_router_class`): the
-first request that creates a context goes wherever Serve's power-of-two choices sends it
-(a child context goes where its parent is), and the router remembers that replica;
-every later call that names the context (Generate, Fill, free, slot save/restore) is
-sent there. If that replica is gone, its contexts went with it: the call falls back to
-the usual choice and gets the engine's 404.
+Serve routes each ModelServer handle call through this router (the deployment's
+`request_router_class`), in the ingress process:
 
-The map lives in the ingress process, shared by every handle of the deployment there;
+- A call that names a context (Parrot's Fill/Generate/free, a llama.cpp slot) must reach
+  the one replica that holds it. The call that creates a context goes where the usual
+  choice sends it (a child goes where its parent is) and pins it there; if that replica
+  is gone, its contexts went with it: the call falls back and gets the engine's 404.
+- Any other generate call prefers the replicas that were sent the longest prefix of its
+  prompt (a shared system prompt, the earlier turns of a chat), as remembered by a
+  PrefixIndex, unless they are busier than the least loaded replica by more than
+  `max_imbalance` ongoing requests. The preference is a first rank: if those replicas
+  are full, Serve's power-of-two choice among all replicas is the next.
+
+The maps live in this process and are shared by every handle to the deployment here;
 with several ingress replicas each learns its own (contexts then need a sticky client).
 """
 
@@ -17,8 +22,13 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
+from app.config import RoutingConfig
+from deployments.prefix_index import PrefixIndex
+
 # (app, deployment, context id) -> replica unique id, for this process.
 _HOLDERS: dict[tuple[str, str, str], str] = {}
+# (app, deployment) -> where prompts were sent, for this process.
+_PREFIXES: dict[tuple[str, str], PrefixIndex] = {}
 
 
 def _contexts(pending: PendingRequest | None) -> tuple[str | None, str | None]:
@@ -38,7 +48,29 @@ def _contexts(pending: PendingRequest | None) -> tuple[str | None, str | None]:
     return None, None
 
 
-class ContextAffinityRouter(PowerOfTwoChoicesRequestRouter):
+def _prompt(pending: PendingRequest | None) -> list[int] | None:
+    """The prompt of a generate call that names no context."""
+    if pending is None or pending.metadata.call_method != "generate" or not pending.args:
+        return None
+    request = pending.args[0]
+    if getattr(request, "context", None) is not None:
+        return None
+    return getattr(request, "prompt_token_ids", None)
+
+
+class AffinityRouter(PowerOfTwoChoicesRequestRouter):
+    def initialize_state(
+        self, routing: dict[str, Any] | None = None, block_size: int = 16, **kwargs: Any
+    ) -> None:
+        super().initialize_state(**kwargs)
+        self.routing = RoutingConfig.model_validate(routing or {})
+        key = (self._deployment_id.app_name, self._deployment_id.name)
+        if key not in _PREFIXES:
+            _PREFIXES[key] = PrefixIndex(
+                block_size, self.routing.max_prefix_tokens, self.routing.max_indexed_blocks
+            )
+        self.prefixes = _PREFIXES[key]
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -52,12 +84,38 @@ class ContextAffinityRouter(PowerOfTwoChoicesRequestRouter):
                 for replica in candidate_replicas:
                     if replica.replica_id.unique_id == holder:
                         return [[replica]]
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        preferred = self._prefix_holders(candidate_replicas, _prompt(pending_request))
+        return [preferred, *ranks] if preferred else ranks
+
+    def _prefix_holders(
+        self, candidates: list[RunningReplica], prompt: list[int] | None
+    ) -> list[RunningReplica]:
+        """The replicas holding the prompt's longest known prefix, if that prefix is worth
+        it and they are not much busier than the least loaded replica."""
+        if not prompt or not self.routing.prefix_affinity or len(candidates) < 2:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        holders, matched = self.prefixes.match(prompt, by_id)
+        if matched < self.routing.min_match_tokens:
+            return []
+        cache = self.replica_queue_len_cache
+        load = {rid: cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
+        least = min(load.values())
+        return [
+            by_id[rid]
+            for rid in holders
+            if load[rid] - least <= self.routing.max_imbalance
+            and load[rid] < by_id[rid].max_ongoing_requests
+        ]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         super().on_request_routed(pending_request, replica_id, result)
+        prompt = _prompt(pending_request)
+        if prompt and self.routing.prefix_affinity:
+            self.prefixes.insert(prompt, replica_id.unique_id)
         context, _ = _contexts(pending_request)
         if context is None:
             return
@@ -68,3 +126,13 @@ class ContextAffinityRouter(PowerOfTwoChoicesRequestRouter):
         elif method == "generate" or (method == "slot_action" and args[0] == "restore"):
             # Only calls that can create the context pin it; a lookup must not.
             _HOLDERS.setdefault(key, replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = set(self._replica_id_set)
+        super().update_replicas(replicas)
+        for gone in before - set(self._replica_id_set):
+            self.prefixes.remove_replica(gone.unique_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.prefixes.remove_replica(replica_id.unique_id)

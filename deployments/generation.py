@@ -2,6 +2,7 @@
 usage counts and logprobs. Used by every dialect's routes."""
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,8 @@ from app.protocol.outputs import TokenDelta, TokenLogprob
 from app.protocol.sampling import SamplingParams
 from app.text.detokenizer import IncrementalDetokenizer
 from app.text.stop import StopStrings
+
+logger = logging.getLogger("ray.serve")
 
 
 class StreamError(Exception):
@@ -80,6 +83,7 @@ class Generation:
         self._first: TokenDelta | EngineErrorMessage | None = None
         self._timer = timer  # TokenTimer or None
         self.first_token_at: float | None = None  # perf_counter of the first token
+        self.cached_tokens = 0  # prompt tokens the replica found in its prefix cache
 
     @property
     def completion_tokens(self) -> int:
@@ -120,6 +124,7 @@ class Generation:
             if out.finish_reason is not None:
                 continue  # already cut by a stop string
             out.num_tokens += len(item.token_ids)
+            self.cached_tokens = max(self.cached_tokens, item.num_cached_tokens)
             if self.first_token_at is None and item.token_ids:
                 self.first_token_at = time.perf_counter()
             if self._timer is not None and item.token_ids:
@@ -154,7 +159,14 @@ class Generation:
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as exc:  # the replica died mid-stream (actor death, node loss)
+        except Exception as exc:  # the replica died mid-stream (stopped, crashed, node lost)
+            logger.warning("request %s: stream from its replica broke: %r", self.request_id, exc)
             raise StreamError(
-                EngineErrorMessage(503, "service_unavailable", f"the model replica failed: {exc}")
+                EngineErrorMessage(
+                    503,
+                    "service_unavailable",
+                    "the model replica serving this stream stopped before it finished "
+                    f"({type(exc).__name__}: it was shut down, crashed or lost its node); "
+                    "retry the request",
+                )
             ) from exc

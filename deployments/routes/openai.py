@@ -208,6 +208,7 @@ def _usage(gen: Generation) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": prompt + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
 

@@ -65,3 +65,39 @@ def test_every_primitive_reaches_the_holder(pair_url):
     assert len(held) == 2 and sum(held.values()) == len(contexts) + len(children)
     for cid in [*contexts, *children]:
         assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
+
+
+TOPICS = ["volcanoes", "sailing", "chess", "bread", "comets", "bees"]
+
+
+def system_prompt(topic: str) -> str:
+    return (
+        f"You are a patient tutor who only talks about {topic}. "
+        + f"Everything you say concerns {topic}, its history and its practice. " * 6
+    )
+
+
+def test_shared_prefixes_reach_the_replica_that_cached_them(pair_url):
+    """Each system prompt's later requests land where its first one ran, so they find it
+    in that replica's prefix cache (reported as usage.prompt_tokens_details)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{pair_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    cached: dict[str, list[int]] = {t: [] for t in TOPICS}
+    prompt_tokens: dict[str, int] = {}
+    for question in ["What is it?", "Tell me one fact.", "Why does it matter?"]:
+        for topic in TOPICS:
+            r = client.chat.completions.create(
+                model=MODEL,
+                messages=[
+                    {"role": "system", "content": system_prompt(topic)},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=1,
+            )
+            cached[topic].append(r.usage.prompt_tokens_details.cached_tokens)
+            prompt_tokens[topic] = r.usage.prompt_tokens
+    for topic, hits in cached.items():
+        assert prompt_tokens[topic] > 100
+        # The system prompt is over 90 tokens: every repeat finds at least that much cached.
+        assert all(h >= 80 for h in hits[1:]), (topic, hits)
