@@ -71,9 +71,10 @@ class ModelServer:
             try:
                 if not registered:
                     engine = self.config.engine.model_dump(mode="json")
-                    registry.register.remote(self.replica_id, self.config.name, engine).result(
-                        timeout_s=10
-                    )
+                    node = ray.get_runtime_context().get_node_id()
+                    registry.register.remote(
+                        self.replica_id, self.config.name, engine, node
+                    ).result(timeout_s=10)
                     registered = True
                 stats = asyncio.run(self.engine.call("stats"))
                 now = time.monotonic()

@@ -21,11 +21,14 @@ class EngineRegistry:
         self.stale_after_s = stale_after_s
         self.engines: dict[str, dict[str, Any]] = {}
 
-    def register(self, engine_id: str, engine_name: str, config: dict[str, Any]) -> None:
+    def register(
+        self, engine_id: str, engine_name: str, config: dict[str, Any], node_id: str | None = None
+    ) -> None:
         now = time.time()
         self.engines[engine_id] = {
             "engine_id": engine_id,
             "engine_name": engine_name,
+            "node_id": node_id,  # the Ray node the replica runs on
             "config": config,
             "registered_at": now,
             "last_heartbeat": now,

@@ -1,0 +1,167 @@
+"""Model replicas across a head node and a worker node (two raylets on this machine).
+
+Killing the worker node under load: the streams it served end with an error event and
+[DONE], the others complete, nothing hangs past 30 s, the head's replica keeps serving,
+and when the node comes back Serve puts the lost replica on it again.
+"""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.local_cluster import LocalCluster, free_port
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+    from app.config import AppConfig
+
+    c = LocalCluster()
+    try:
+        # The head has room for the light deployments and one 1-CPU model replica; the
+        # second replica waits for the worker node, the only place it fits.
+        c.start_head(num_cpus=2)
+        ray.init(address=c.address, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+        config = AppConfig.model_validate(
+            {
+                "embeddings": {"enabled": False},
+                "models": [
+                    {
+                        "num_replicas": 2,
+                        "num_cpus": 1.0,
+                        "engine": {"num_threads": 1, "kv_cache_memory_gib": 0.25},
+                    }
+                ],
+            }
+        )
+        # serve.run returns once every replica runs, which needs the worker: deploy from a
+        # thread while the worker joins.
+        deploying = threading.Thread(
+            target=serve.run, args=(build_app(config),), kwargs={"name": "default"}
+        )
+        deploying.start()
+        c.add_node("worker", num_cpus=1, resources={"worker": 1})
+        deploying.join(timeout=300)
+        url = f"http://127.0.0.1:{port}"
+        c.wait_for(lambda: running_replicas() == 2, 300, "two running model replicas")
+        c.wait_for(lambda: healthy(url), 60, "the app's /health")
+        yield c, url
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            c.stop()
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get("default")
+    if app is None:
+        return 0
+    deployment = app.deployments.get(f"ModelServer:{MODEL}")
+    return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def replica_nodes(url: str) -> set[str]:
+    """The nodes of the live model replicas, from the engine registry."""
+    engines = httpx.get(f"{url}/engines", timeout=10).json()["engines"]
+    return {e["node_id"] for e in engines if e["engine_name"] == MODEL}
+
+
+def stream(url: str, started: threading.Barrier | None = None) -> dict:
+    """One streamed chat completion; what it ended with and when."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count slowly from one to one hundred."}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    out = {"done": False, "finish": None, "error": None, "first": False}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                out["done"] = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out["error"] = event["error"]
+                continue
+            if not out["first"]:
+                out["first"] = True
+                if started is not None:
+                    started.wait(timeout=120)
+            for choice in event["choices"]:
+                out["finish"] = choice.get("finish_reason") or out["finish"]
+    out["ended"] = time.monotonic()
+    return out
+
+
+def test_killing_the_worker_node_under_load(cluster):
+    import ray
+
+    c, url = cluster
+    head = ray.get_runtime_context().get_node_id()
+    nodes = replica_nodes(url)
+    assert len(nodes) == 2 and head in nodes, "one replica per node"
+
+    n = 6
+    started = threading.Barrier(n + 1)
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(stream, url, started) for _ in range(n)]
+        started.wait(timeout=180)  # every stream has its first token
+        killed = time.monotonic()
+        c.kill_node("worker")
+        results = [f.result(timeout=120) for f in futures]
+
+    for r in results:
+        assert r["done"], r  # every stream ends with [DONE]
+        assert r["ended"] - killed < 30, r  # ... within 30 s of the kill
+        if r["error"]:
+            assert set(r["error"]) >= {"message", "type", "code"}, r["error"]
+    failed = [r for r in results if r["error"]]
+    completed = [r for r in results if r["finish"] == "length" and not r["error"]]
+    assert failed, "the worker's streams end with an error event"
+    assert completed, "the head's streams complete"
+    assert len(failed) + len(completed) == n
+
+    # The head's replica keeps serving while the worker is gone.
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+    # The node comes back (as Kubernetes would replace the pod); Serve puts the lost
+    # replica on it.
+    c.add_node("worker", num_cpus=1, resources={"worker": 1})
+    c.wait_for(lambda: running_replicas() == 2 and len(replica_nodes(url)) == 2, 180, "recovery")
+    with ThreadPoolExecutor(4) as pool:
+        again = list(pool.map(lambda _: stream(url), range(4)))
+    assert all(r["done"] and r["finish"] == "length" and not r["error"] for r in again)
