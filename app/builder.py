@@ -54,6 +54,10 @@ def build_app(config: AppConfig) -> Application:
         .options(
             num_replicas=config.ingress_replicas,
             max_ongoing_requests=config.ingress_max_ongoing_requests,
+            # Streams pass through the ingress: a stopping ingress gives them as long as the
+            # slowest model's replicas give theirs.
+            graceful_shutdown_timeout_s=5
+            + max(m.graceful_shutdown_timeout_s for m in config.models),
             ray_actor_options={"num_cpus": config.ingress_num_cpus},
         )
         .bind(tokenizer, models, embedder, registry)

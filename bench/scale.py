@@ -1,0 +1,396 @@
+"""Horizontal scale on this machine: replicas, failures, prefix-affinity routing.
+
+Parts (all by default; pick with --parts):
+- throughput: the app with 1 and then 2 model replicas (engine threads split between
+  them), N closed-loop clients streaming chat for a fixed time: output tokens/s and
+  p50/p99 TTFT.
+- replica-kill: 2 replicas under load; one replica actor is killed (ray.kill): failed
+  streams, and the time until Serve has 2 running replicas again.
+- node-kill: a head node and a worker node (tests/local_cluster.py), one replica each,
+  under load; the worker's raylet is SIGKILLed, then the node restarted: failed
+  streams, the longest a stream took to end after the kill, the time until a request
+  sent after the kill succeeded, and the time from the restart until 2 replicas run.
+- autoscale: min 1, max 2 replicas, target 4 ongoing requests per replica; 16 clients
+  for 90 s: when the second replica started running, then tokens/s before and after.
+- prefix: 2 replicas, chat requests drawn from 24 long system prompts, with the router's
+  prefix affinity on and off, with a large and a small KV cache: the prefix-cache hit
+  ratio (cached prompt tokens / prompt tokens, from usage.prompt_tokens_details) and
+  TTFT.
+
+Every figure comes from this machine in this run; the last line printed is JSON.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = [
+    "Explain how tides work.",
+    "Give three tips for learning a language.",
+    "Describe a sunrise over the sea.",
+    "What makes bread rise?",
+    "Why do cats purr?",
+    "How does a bicycle stay upright?",
+]
+
+
+@dataclass
+class Outcome:
+    sent: float
+    ended: float
+    ttft: float | None = None
+    tokens: int = 0
+    cached: int = 0
+    prompt: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Load:
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def window(self, start: float, end: float) -> list[Outcome]:
+        return [o for o in self.outcomes if start <= o.sent and o.ended <= end]
+
+    def summary(self, seconds: float) -> dict:
+        ok = [o for o in self.outcomes if o.error is None]
+        ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
+        return {
+            "requests": len(self.outcomes),
+            "failed": len(self.outcomes) - len(ok),
+            "tok_s": round(sum(o.tokens for o in ok) / seconds, 1),
+            "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1) if ttfts else None,
+            "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1) if ttfts else None,
+        }
+
+
+def percentile(values: list[float], p: float) -> float:
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+        if len(values) > 1
+        else values[0]
+    )
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
+    out = Outcome(sent=time.monotonic(), ended=0.0)
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}"
+                await r.aread()
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out.error = event["error"]["message"]
+                    elif event.get("usage"):
+                        usage = event["usage"]
+                        out.tokens = usage["completion_tokens"]
+                        out.prompt = usage["prompt_tokens"]
+                        out.cached = usage["prompt_tokens_details"]["cached_tokens"]
+                    elif out.ttft is None and any(
+                        c["delta"].get("content") for c in event["choices"]
+                    ):
+                        out.ttft = time.monotonic() - out.sent
+    except httpx.HTTPError as exc:
+        out.error = repr(exc)
+    out.ended = time.monotonic()
+    return out
+
+
+def chat_body(system: str | None, question: str, max_tokens: int) -> dict:
+    messages = [{"role": "user", "content": question}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def closed_loop(url: str, clients: int, seconds: float, make_body, load: Load) -> None:
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def user(i: int) -> None:
+            rng = random.Random(i)
+            while time.monotonic() < deadline:
+                load.outcomes.append(await one_stream(client, url, make_body(rng)))
+
+        await asyncio.gather(*(user(i) for i in range(clients)))
+
+
+def app_config(replicas: int, threads: int, **model):
+    from app.config import AppConfig
+
+    return AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "models": [
+                {
+                    "num_replicas": replicas,
+                    "num_cpus": 1.0,
+                    **model,
+                    "engine": {"num_threads": threads, **model.pop("engine", {})},
+                }
+            ],
+        }
+    )
+
+
+def deploy(config, url: str) -> None:
+    from ray import serve
+
+    from app.builder import build_app
+
+    serve.run(build_app(config), name="default", route_prefix="/", blocking=False)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if running_replicas() == config.models[0].num_replicas:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    raise TimeoutError("the app did not start")
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get("default")
+    d = app.deployments.get(f"ModelServer:{MODEL}") if app else None
+    return d.replica_states.get("RUNNING", 0) if d else 0
+
+
+def model_replica_names() -> list[str]:
+    """Named actors of the model's replicas (from the GCS; no dashboard needed)."""
+    import ray
+
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::default#ModelServer")
+    ]
+
+
+def mixed(max_tokens: int):
+    return lambda rng: chat_body(None, rng.choice(QUESTIONS), max_tokens)
+
+
+def watch_recovery(since: float, target: int, result: dict, key: str) -> threading.Thread:
+    """Record in result[key] the seconds from `since` until `target` replicas run again,
+    after Serve has first seen fewer (a kill takes a moment to notice)."""
+
+    def watch() -> None:
+        deadline = since + 300
+        while running_replicas() >= target and time.monotonic() < since + 60:
+            time.sleep(0.1)
+        while running_replicas() < target:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.25)
+        result[key] = round(time.monotonic() - since, 1)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def part_throughput(url: str, args) -> dict:
+    out = {}
+    for replicas in (1, 2):
+        deploy(app_config(replicas, max(1, 2 // replicas)), url)
+        asyncio.run(closed_loop(url, 2, 5, mixed(16), Load()))  # warm-up
+        load = Load()
+        asyncio.run(closed_loop(url, args.clients, args.seconds, mixed(64), load))
+        out[f"replicas_{replicas}"] = load.summary(args.seconds)
+        print(f"throughput, {replicas} replica(s):", out[f"replicas_{replicas}"], flush=True)
+    return out
+
+
+def part_replica_kill(url: str, args) -> dict:
+    import ray
+
+    deploy(app_config(2, 1), url)
+    load, result = Load(), {}
+
+    async def run() -> None:
+        task = asyncio.create_task(closed_loop(url, args.clients, 60, mixed(64), load))
+        await asyncio.sleep(15)
+        victim = model_replica_names()[0]
+        result["killed_at"] = time.monotonic()
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        watch_recovery(result["killed_at"], 2, result, "recovered_s")
+        await task
+
+    asyncio.run(run())
+    killed = result.pop("killed_at")
+    failed = [o for o in load.outcomes if o.error]
+    result.update(load.summary(60))
+    result["failed_streams"] = len(failed)
+    result["failures_after_kill_s"] = round(max((o.ended - killed for o in failed), default=0), 1)
+    print("replica kill:", result, flush=True)
+    return result
+
+
+def part_node_kill(args) -> dict:
+    import ray
+    from ray import serve
+
+    from tests.local_cluster import LocalCluster, free_port
+
+    c = LocalCluster()
+    result: dict = {}
+    try:
+        c.start_head(num_cpus=2)
+        ray.init(address=c.address, log_to_driver=False)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+        config = app_config(2, 1, engine={"kv_cache_memory_gib": 0.25})
+        deploying = threading.Thread(target=deploy, args=(config, url))
+        deploying.start()  # returns once both replicas run: the second needs the worker
+        c.add_node("worker", num_cpus=1, resources={"worker": 1})
+        deploying.join()
+        load = Load()
+
+        async def run() -> None:
+            task = asyncio.create_task(closed_loop(url, args.clients, 75, mixed(64), load))
+            await asyncio.sleep(15)
+            result["killed_at"] = time.monotonic()
+            await asyncio.to_thread(c.kill_node, "worker")
+            await asyncio.sleep(15)
+            result["restarted_at"] = time.monotonic()
+            await asyncio.to_thread(c.add_node, "worker", 1, {"worker": 1})
+            watch_recovery(result["restarted_at"], 2, result, "recovered_after_restart_s")
+            await task
+
+        asyncio.run(run())
+        killed = result.pop("killed_at")
+        result.pop("restarted_at")
+        failed = [o for o in load.outcomes if o.error]
+        hit = [o for o in load.outcomes if o.sent <= killed <= o.ended]
+        first_ok = min(
+            (o.ended for o in load.outcomes if o.sent > killed and not o.error), default=None
+        )
+        result.update(load.summary(75))
+        result["streams_open_at_kill"] = len(hit)
+        result["failed_streams"] = len(failed)
+        result["longest_end_after_kill_s"] = round(
+            max((o.ended - killed for o in hit), default=0), 1
+        )
+        result["first_success_after_kill_s"] = round(first_ok - killed, 1) if first_ok else None
+        print("node kill:", result, flush=True)
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            c.stop()
+    return result
+
+
+def part_autoscale(url: str, args) -> dict:
+    auto = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4}
+    auto |= {"upscale_delay_s": 5, "downscale_delay_s": 600, "look_back_period_s": 10}
+    deploy(app_config(1, 1, autoscaling=auto), url)
+    load, result = Load(), {}
+    start = time.monotonic()
+    watch_recovery(start, 2, result, "second_replica_running_after_s")
+    asyncio.run(closed_loop(url, args.clients, 90, mixed(64), load))
+    up = result.get("second_replica_running_after_s")
+    if up is not None:
+        before = load.window(start, start + up)
+        after = load.window(start + up + 5, start + 90)
+        result["tok_s_before"] = round(sum(o.tokens for o in before) / up, 1)
+        result["tok_s_after"] = round(sum(o.tokens for o in after) / (85 - up), 1)
+    result.update(load.summary(90))
+    print("autoscale:", result, flush=True)
+    return result
+
+
+def part_prefix(url: str, args) -> dict:
+    systems = [
+        f"You are assistant number {i}. "
+        + f"Your speciality is topic {i}; you answer briefly and precisely about it. " * 14
+        for i in range(24)
+    ]
+    out = {}
+    for cache_gib in (1.0, 0.12):
+        for affinity in (True, False):
+            model = {"routing": {"prefix_affinity": affinity}}
+            deploy(app_config(2, 1, engine={"kv_cache_memory_gib": cache_gib}, **model), url)
+            load = Load()
+            make = lambda rng: chat_body(rng.choice(systems), rng.choice(QUESTIONS), 4)  # noqa: E731
+            asyncio.run(closed_loop(url, 4, args.seconds, make, load))
+            ok = [o for o in load.outcomes if not o.error]
+            key = f"kv_{cache_gib}gib_affinity_{'on' if affinity else 'off'}"
+            out[key] = {
+                "hit_ratio": round(
+                    sum(o.cached for o in ok) / max(1, sum(o.prompt for o in ok)), 3
+                ),
+                **load.summary(args.seconds),
+            }
+            print("prefix:", key, out[key], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="throughput,replica-kill,autoscale,prefix,node-kill")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=40)
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    results: dict = {}
+    local = [p for p in parts if p != "node-kill"]
+    if local:
+        import ray
+        from ray import serve
+
+        from tests.local_cluster import free_port
+
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            if "throughput" in parts:
+                results["throughput"] = part_throughput(url, args)
+            if "replica-kill" in parts:
+                results["replica_kill"] = part_replica_kill(url, args)
+            if "autoscale" in parts:
+                results["autoscale"] = part_autoscale(url, args)
+            if "prefix" in parts:
+                results["prefix"] = part_prefix(url, args)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    if "node-kill" in parts:
+        results["node_kill"] = part_node_kill(args)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
