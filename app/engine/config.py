@@ -48,7 +48,11 @@ class EngineConfig(BaseModel):
     distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="auto: NCCL on CUDA, gloo on CPU."
     )
-    attention_backend: Literal["auto", "torch"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash"] = Field(
+        "auto",
+        description="auto: FlashAttention on CUDA when flash_attn imports and block_size is a "
+        "multiple of 256, else torch (C++ kernels on CPU, gathers + SDPA on GPU).",
+    )
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
 
     @cached_property

@@ -50,7 +50,9 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         if loaded is None:
             source = resolve_model(config.model)
-            backend = select_backend(config.attention_backend, config.torch_device)
+            backend = select_backend(
+                config.attention_backend, config.torch_device, config.block_size
+            )
             loaded = load_model(
                 source,
                 backend,

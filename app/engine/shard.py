@@ -31,7 +31,7 @@ HEARTBEAT = "heartbeat"
 
 
 def load_shard(config: EngineConfig, tp: TPGroup) -> ModelRunner:
-    backend = select_backend(config.attention_backend, config.torch_device)
+    backend = select_backend(config.attention_backend, config.torch_device, config.block_size)
     loaded = load_model(
         resolve_model(config.model),
         backend,

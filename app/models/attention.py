@@ -63,11 +63,20 @@ class AttentionBackend(ABC):
         v_cache[dst] = v_cache[src]
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto' and 'torch' give the torch backend (C++ kernels on CPU, gathers + SDPA on
-    GPU). A FlashAttention backend implements the same interface; it is not written yet."""
+def select_backend(name: str, device: torch.device, block_size: int = 16) -> AttentionBackend:
+    """'flash': FlashAttention-2 (CUDA, flash_attn installed, block_size a multiple of 256).
+    'torch': C++ kernels on CPU, gathers + SDPA elsewhere. 'auto': flash where it can run,
+    else torch."""
+    from app.models.flash_attention import PAGE_MULTIPLE, FlashAttentionBackend
+    from app.models.flash_attention import flash_attn_available as flash_ok
     from app.models.torch_attention import TorchPagedAttention
 
+    if name == "flash":
+        if device.type != "cuda" or not flash_ok():
+            raise ValueError("attention backend 'flash' needs CUDA and the flash_attn package")
+        return FlashAttentionBackend(block_size)
+    if name == "auto" and device.type == "cuda" and block_size % PAGE_MULTIPLE == 0 and flash_ok():
+        return FlashAttentionBackend(block_size)
     if name in ("auto", "torch"):
         return TorchPagedAttention(device)
-    raise ValueError(f"attention backend {name!r} is not available (have: auto, torch)")
+    raise ValueError(f"attention backend {name!r} is not available (have: auto, torch, flash)")

@@ -1,0 +1,118 @@
+"""The FlashAttention backend's cache layout and metadata, checked on the CPU.
+
+FlashAttention's kernels only run on CUDA, so here the backend gets reference kernels
+that follow their documented semantics (paged K/V through a block table, `cache_seqlens`
+/ `cu_seqlens_k` as the visible keys, a causal mask aligned bottom-right) and must agree
+with a dense reference, as the torch backend does. On a machine with CUDA and flash_attn
+the same batch also runs through the real kernels."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.models.attention import BatchLayout, select_backend
+from app.models.flash_attention import FlashAttentionBackend, flash_attn_available
+from tests.models.test_torch_attention import dense_reference
+
+NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 256, 12
+
+
+def _paged_keys(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    return cache[table.long()].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def _attend(q, keys, values, scale, causal):  # q (Lq, nh, hd), keys (L, nkv, hd)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).float()
+    v = values.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if causal:  # bottom-right: the last query sees every key
+        lq, lk = q.shape[0], keys.shape[0]
+        visible = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v).to(q.dtype)
+
+
+def ref_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        keys = _paged_keys(k_cache, block_table[b], n)
+        values = _paged_keys(v_cache, block_table[b], n)
+        outs.append(_attend(q[b], keys, values, softmax_scale, causal))
+    return torch.stack(outs)
+
+
+def ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+    outs = []
+    for b in range(len(cu_seqlens_q) - 1):
+        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert hi - lo <= max_seqlen_q and n <= max_seqlen_k
+        keys = _paged_keys(k, kw["block_table"][b], n)
+        values = _paged_keys(v, kw["block_table"][b], n)
+        outs.append(_attend(q[lo:hi], keys, values, kw["softmax_scale"], kw["causal"]))
+    return torch.cat(outs)
+
+
+REFERENCE = SimpleNamespace(
+    flash_attn_with_kvcache=ref_with_kvcache, flash_attn_varlen_func=ref_varlen
+)
+
+
+def run_batch(backend, device, dtype):
+    """Two decodes (contexts 300 and 700) and a 40-token chunk after 480 cached tokens."""
+    torch.manual_seed(0)
+    shape = backend.kv_cache_shape(NBLOCKS, BS, NKV, HD)
+    k_cache = torch.zeros(shape, dtype=dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    contexts, queries = [300, 700, 520], [1, 1, 40]
+    free = torch.randperm(NBLOCKS).tolist()
+    tables = [[free.pop() for _ in range(-(-c // BS))] for c in contexts]
+    keys = [torch.randn(c, NKV, HD, dtype=dtype, device=device) for c in contexts]
+    values = [torch.randn(c, NKV, HD, dtype=dtype, device=device) for c in contexts]
+    for table, kk, vv in zip(tables, keys, values, strict=True):
+        for pos in range(kk.shape[0]):  # the already-cached part, in this backend's layout
+            k_cache[table[pos // BS], pos % BS] = kk[pos]
+            v_cache[table[pos // BS], pos % BS] = vv[pos]
+    slots = []
+    for table, ctx, n in zip(tables, contexts, queries, strict=True):
+        slots += [table[p // BS] * BS + p % BS for p in range(ctx - n, ctx)]
+    layout = BatchLayout(queries, contexts, tables, slots, num_decodes=2, block_size=BS)
+    meta = backend.build_metadata(layout, NKV, device)
+    q = torch.randn(sum(queries), NH, HD, dtype=dtype, device=device)
+    new_k = torch.cat([kk[c - n :] for kk, c, n in zip(keys, contexts, queries, strict=True)])
+    new_v = torch.cat([vv[c - n :] for vv, c, n in zip(values, contexts, queries, strict=True)])
+    k_cache.view(-1, NKV, HD)[torch.tensor(slots)] = 0  # the step must write them itself
+    out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, HD**-0.5)
+    start, refs = 0, []
+    for kk, vv, c, n in zip(keys, values, contexts, queries, strict=True):
+        refs.append(dense_reference(q[start : start + n].cpu(), kk.cpu(), vv.cpu(), c - n))
+        start += n
+    return out.float().cpu(), torch.cat(refs)
+
+
+def test_layout_and_metadata_match_dense_attention():
+    backend = FlashAttentionBackend(BS, kernels=REFERENCE)
+    out, ref = run_batch(backend, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_block_size_must_suit_the_paged_kernels():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        FlashAttentionBackend(16, kernels=REFERENCE)
+
+
+def test_selection_without_cuda_or_flash_attn():
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu, 256).name == "torch"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        select_backend("flash", cpu, 256)
+
+
+@pytest.mark.skipif(not flash_attn_available(), reason="needs CUDA and flash_attn")
+def test_real_kernels_on_the_gpu():
+    backend = FlashAttentionBackend(BS)
+    out, ref = run_batch(backend, torch.device("cuda"), torch.bfloat16)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
