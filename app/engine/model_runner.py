@@ -68,12 +68,13 @@ class ModelRunner:
         )
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one forward pass. Returns logits (S, vocab) in the model's dtype on the CPU
-        for the sequences whose next token is due (prompts fully computed), in that order.
-        With tensor parallelism the step's inputs go to every shard first."""
+        """Run one forward pass. Returns logits (S, vocab) in the model's dtype, on the
+        model's device (the sampler runs there), for the sequences whose next token is due
+        (prompts fully computed), in that order. With tensor parallelism the step's inputs
+        go to every shard first."""
         step, sampled = self.prepare(batch)
         self.model.tp.broadcast_object(step)
-        return self.execute(step).cpu(), sampled
+        return self.execute(step), sampled
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
@@ -109,13 +110,19 @@ class ModelRunner:
         if step.copies:
             self._copy_blocks(step.copies)
         metadata = self.backend.build_metadata(step.layout, self.num_kv_heads, self.device)
-        dev = self.device
         return self.model(
-            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(step.positions, dtype=torch.long, device=dev),
+            self._to_device(step.input_ids),
+            self._to_device(step.positions),
             metadata,
-            torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
+            self._to_device(step.logits_rows),
         )
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """Step metadata to the device; on CUDA through pinned memory, without blocking."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.long)
+        host = torch.tensor(values, dtype=torch.long, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """(layers, 2, len(blocks), ...) copies of those blocks' K and V, on the CPU."""

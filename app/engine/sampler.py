@@ -25,11 +25,18 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The batch's generator on the logits' device (sampling runs where they are)."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self.generators[device]
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        # logits: (S, V) in the model's dtype, on CPU
+        # logits: (S, V) in the model's dtype, on the model's device
         if all(_plain_greedy(s) for s in seqs):
             return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(seqs))
         logits = logits.float()
@@ -64,9 +71,14 @@ class Sampler:
             p = seq.params
             if p.logit_bias:
                 ids = torch.tensor(
-                    [t for t in p.logit_bias if t < self.vocab_size], dtype=torch.long
+                    [t for t in p.logit_bias if t < self.vocab_size],
+                    dtype=torch.long,
+                    device=row.device,
                 )
-                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
+                vals = torch.tensor(
+                    [p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size],
+                    device=row.device,
+                )
                 row.index_add_(0, ids, vals)
             if seq.num_output_tokens < p.min_tokens:
                 banned = [
@@ -78,21 +90,25 @@ class Sampler:
         return logits
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        greedy = torch.tensor([s.params.greedy for s in seqs])
+        dev = logits.device
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         if bool(greedy.all()):
             return logits.argmax(dim=-1)
-        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
+        temps = torch.tensor(
+            [s.params.temperature if not s.params.greedy else 1.0 for s in seqs], device=dev
+        )
         scaled = logits / temps[:, None]
         scaled = _filter_top_k_top_p(scaled, seqs)
         probs = torch.softmax(scaled, dim=-1)
-        min_ps = torch.tensor([s.params.min_p for s in seqs])
+        min_ps = torch.tensor([s.params.min_p for s in seqs], device=dev)
         if bool((min_ps > 0).any()):
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < min_ps[:, None] * top, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator(dev))
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
+            if seq.generator is not None:  # a seeded request draws on the CPU, as everywhere
+                row = torch.empty(probs.shape[-1]).exponential_(generator=seq.generator)
+                noise[i] = row.to(dev)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -110,10 +126,10 @@ def _plain_greedy(seq: Sequence) -> bool:
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence, vocab_size: int) -> None:
     p = seq.params
-    out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long)
+    out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
     if p.repetition_penalty != 1.0:
         # As in transformers/vLLM: over prompt and output; shrink positive logits, grow negative.
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
         seen = seen[seen < vocab_size]
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -130,11 +146,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab)[None, :]
-    drop = rank >= torch.tensor(ks)[:, None]
+    dev = logits.device
+    rank = torch.arange(vocab, device=dev)[None, :]
+    drop = rank >= torch.tensor(ks, device=dev)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-    drop |= before > torch.tensor(ps)[:, None]
+    drop |= before > torch.tensor(ps, device=dev)[:, None]
     drop[:, 0] = False  # always keep the best token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
