@@ -57,7 +57,7 @@ class RoutingConfig(BaseModel):
     )
     max_prefix_tokens: int = Field(4096, ge=1, description="Prompt tokens indexed per request.")
     max_indexed_blocks: int = Field(
-        200_000, ge=1, description="Prefix blocks remembered per ingress (LRU)."
+        50_000, ge=1, description="Prefix blocks remembered per ingress (LRU; ~300 B each)."
     )
 
 

@@ -23,138 +23,26 @@ Every figure comes from this machine in this run; the last line printed is JSON.
 import argparse
 import asyncio
 import json
-import random
-import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.load import QUESTIONS, Load, chat_body, closed_loop, mixed  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
-QUESTIONS = [
-    "Explain how tides work.",
-    "Give three tips for learning a language.",
-    "Describe a sunrise over the sea.",
-    "What makes bread rise?",
-    "Why do cats purr?",
-    "How does a bicycle stay upright?",
-]
 
 
-@dataclass
-class Outcome:
-    sent: float
-    ended: float
-    ttft: float | None = None
-    tokens: int = 0
-    cached: int = 0
-    prompt: int = 0
-    error: str | None = None
-
-
-@dataclass
-class Load:
-    outcomes: list[Outcome] = field(default_factory=list)
-
-    def window(self, start: float, end: float) -> list[Outcome]:
-        return [o for o in self.outcomes if start <= o.sent and o.ended <= end]
-
-    def summary(self, seconds: float) -> dict:
-        ok = [o for o in self.outcomes if o.error is None]
-        ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
-        return {
-            "requests": len(self.outcomes),
-            "failed": len(self.outcomes) - len(ok),
-            "tok_s": round(sum(o.tokens for o in ok) / seconds, 1),
-            "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1) if ttfts else None,
-            "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1) if ttfts else None,
-        }
-
-
-def percentile(values: list[float], p: float) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[p - 1]
-        if len(values) > 1
-        else values[0]
-    )
-
-
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
-    out = Outcome(sent=time.monotonic(), ended=0.0)
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}"
-                await r.aread()
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        out.error = event["error"]["message"]
-                    elif event.get("usage"):
-                        usage = event["usage"]
-                        out.tokens = usage["completion_tokens"]
-                        out.prompt = usage["prompt_tokens"]
-                        out.cached = usage["prompt_tokens_details"]["cached_tokens"]
-                    elif out.ttft is None and any(
-                        c["delta"].get("content") for c in event["choices"]
-                    ):
-                        out.ttft = time.monotonic() - out.sent
-    except httpx.HTTPError as exc:
-        out.error = repr(exc)
-    out.ended = time.monotonic()
-    return out
-
-
-def chat_body(system: str | None, question: str, max_tokens: int) -> dict:
-    messages = [{"role": "user", "content": question}]
-    if system:
-        messages.insert(0, {"role": "system", "content": system})
-    return {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def closed_loop(url: str, clients: int, seconds: float, make_body, load: Load) -> None:
-    deadline = time.monotonic() + seconds
-    async with httpx.AsyncClient(timeout=120) as client:
-
-        async def user(i: int) -> None:
-            rng = random.Random(i)
-            while time.monotonic() < deadline:
-                load.outcomes.append(await one_stream(client, url, make_body(rng)))
-
-        await asyncio.gather(*(user(i) for i in range(clients)))
-
-
-def app_config(replicas: int, threads: int, **model):
+def app_config(replicas: int, threads: int, engine: dict | None = None, **model):
     from app.config import AppConfig
 
-    return AppConfig.model_validate(
-        {
-            "embeddings": {"enabled": False},
-            "models": [
-                {
-                    "num_replicas": replicas,
-                    "num_cpus": 1.0,
-                    **model,
-                    "engine": {"num_threads": threads, **model.pop("engine", {})},
-                }
-            ],
-        }
-    )
+    engine = {"num_threads": threads, **(engine or {})}
+    model = {"num_replicas": replicas, "num_cpus": 1.0, "engine": engine, **model}
+    return AppConfig.model_validate({"embeddings": {"enabled": False}, "models": [model]})
 
 
 def deploy(config, url: str) -> None:
@@ -175,11 +63,11 @@ def deploy(config, url: str) -> None:
     raise TimeoutError("the app did not start")
 
 
-def running_replicas() -> int:
+def running_replicas(deployment: str = f"ModelServer:{MODEL}") -> int:
     from ray import serve
 
     app = serve.status().applications.get("default")
-    d = app.deployments.get(f"ModelServer:{MODEL}") if app else None
+    d = app.deployments.get(deployment) if app else None
     return d.replica_states.get("RUNNING", 0) if d else 0
 
 
@@ -192,10 +80,6 @@ def model_replica_names() -> list[str]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith("SERVE_REPLICA::default#ModelServer")
     ]
-
-
-def mixed(max_tokens: int):
-    return lambda rng: chat_body(None, rng.choice(QUESTIONS), max_tokens)
 
 
 def watch_recovery(since: float, target: int, result: dict, key: str) -> threading.Thread:
@@ -271,6 +155,9 @@ def part_node_kill(args) -> dict:
         config = app_config(2, 1, engine={"kv_cache_memory_gib": 0.25})
         deploying = threading.Thread(target=deploy, args=(config, url))
         deploying.start()  # returns once both replicas run: the second needs the worker
+        # The worker joins once the head is full, so its CPU is left for the second replica.
+        placed = ("Ingress", "Tokenizer", "EngineRegistry", f"ModelServer:{MODEL}")
+        c.wait_for(lambda: all(map(running_replicas, placed)), 300, "the head's share")
         c.add_node("worker", num_cpus=1, resources={"worker": 1})
         deploying.join()
         load = Load()

@@ -15,18 +15,53 @@ Serve routes each ModelServer handle call through this router (the deployment's
 
 The maps live in this process and are shared by every handle to the deployment here;
 with several ingress replicas each learns its own (contexts then need a sticky client).
+
+The router hands each chosen replica to the request it was chosen for: Serve's
+power-of-two router (FIFOMixin) would give it to the oldest waiting request, which for
+a pinned context would be the wrong replica.
 """
 
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from app.config import RoutingConfig
 from deployments.prefix_index import PrefixIndex
 
-# (app, deployment, context id) -> replica unique id, for this process.
-_HOLDERS: dict[tuple[str, str, str], str] = {}
+
+class ContextPins:
+    """Which replica holds each context, and the reverse, so that a replica's pins go
+    with it."""
+
+    def __init__(self) -> None:
+        self.holder: dict[str, str] = {}  # context id -> replica unique id
+        self.held: dict[str, set[str]] = {}  # replica unique id -> context ids
+
+    def pin(self, context: str, replica: str) -> None:
+        self.unpin(context)
+        self.holder[context] = replica
+        self.held.setdefault(replica, set()).add(context)
+
+    def unpin(self, context: str) -> None:
+        replica = self.holder.pop(context, None)
+        if replica is not None:
+            self.held.get(replica, set()).discard(context)
+
+    def drop_replica(self, replica: str) -> None:
+        for context in self.held.pop(replica, set()):
+            self.holder.pop(context, None)
+
+
+# (app, deployment) -> context pins / where prompts were sent, for this process.
+_PINS: dict[tuple[str, str], ContextPins] = {}
 # (app, deployment) -> where prompts were sent, for this process.
 _PREFIXES: dict[tuple[str, str], PrefixIndex] = {}
 
@@ -58,7 +93,7 @@ def _prompt(pending: PendingRequest | None) -> list[int] | None:
     return getattr(request, "prompt_token_ids", None)
 
 
-class AffinityRouter(PowerOfTwoChoicesRequestRouter):
+class AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(
         self, routing: dict[str, Any] | None = None, block_size: int = 16, **kwargs: Any
     ) -> None:
@@ -69,7 +104,8 @@ class AffinityRouter(PowerOfTwoChoicesRequestRouter):
             _PREFIXES[key] = PrefixIndex(
                 block_size, self.routing.max_prefix_tokens, self.routing.max_indexed_blocks
             )
-        self.prefixes = _PREFIXES[key]
+            _PINS[key] = ContextPins()
+        self.prefixes, self.pins = _PREFIXES[key], _PINS[key]
 
     async def choose_replicas(
         self,
@@ -77,14 +113,16 @@ class AffinityRouter(PowerOfTwoChoicesRequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         context, parent = _contexts(pending_request)
-        app, deployment = self._deployment_id.app_name, self._deployment_id.name
         for key in (context, parent):
-            holder = _HOLDERS.get((app, deployment, key)) if key else None
-            if holder is not None:
-                for replica in candidate_replicas:
-                    if replica.replica_id.unique_id == holder:
-                        return [[replica]]
-        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+            holder = self.pins.holder.get(key) if key else None
+            for replica in candidate_replicas if holder is not None else ():
+                if replica.replica_id.unique_id == holder:
+                    # Only this replica will do: if it is full, wait (with backoff) for it.
+                    pending_request.routing_context.should_backoff = True
+                    return [[replica]]
+        ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas, pending_request
+        )
         preferred = self._prefix_holders(candidate_replicas, _prompt(pending_request))
         return [preferred, *ranks] if preferred else ranks
 
@@ -119,20 +157,22 @@ class AffinityRouter(PowerOfTwoChoicesRequestRouter):
         context, _ = _contexts(pending_request)
         if context is None:
             return
-        key = (self._deployment_id.app_name, self._deployment_id.name, context)
         method, args = pending_request.metadata.call_method, pending_request.args
         if method == "free_context":
-            _HOLDERS.pop(key, None)
+            self.pins.unpin(context)
         elif method == "generate" or (method == "slot_action" and args[0] == "restore"):
-            # Only calls that can create the context pin it; a lookup must not.
-            _HOLDERS.setdefault(key, replica_id.unique_id)
+            # Only calls that can create the context pin it; a lookup must not. A pin to a
+            # replica that is gone is replaced: the context was created anew.
+            self.pins.pin(context, replica_id.unique_id)
 
+    # A gone replica's contexts went with it. Its prefix entries are left to age out of
+    # the index (LRU): `match` only ever considers live replicas.
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
         super().update_replicas(replicas)
         for gone in before - set(self._replica_id_set):
-            self.prefixes.remove_replica(gone.unique_id)
+            self.pins.drop_replica(gone.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.prefixes.remove_replica(replica_id.unique_id)
+        self.pins.drop_replica(replica_id.unique_id)

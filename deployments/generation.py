@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app.protocol.errors import OverloadedError, RemoteError
@@ -19,6 +20,18 @@ from app.text.detokenizer import IncrementalDetokenizer
 from app.text.stop import StopStrings
 
 logger = logging.getLogger("ray.serve")
+
+
+def replica_failure(exc: Exception) -> EngineErrorMessage:
+    """The error event for a stream whose replica call failed."""
+    if isinstance(exc, RayActorError):  # stopped (shutdown, update), crashed, node lost
+        message = (
+            "the model replica serving this request stopped before it finished (it was shut "
+            "down, restarted or lost its node); retry the request"
+        )
+    else:
+        message = f"the model replica failed: {type(exc).__name__}: {exc}"
+    return EngineErrorMessage(503, "service_unavailable", message)
 
 
 class StreamError(Exception):
@@ -101,6 +114,8 @@ class Generation:
         """Wait for the first item so that a refusal becomes a proper HTTP error."""
         try:
             self._first = await self._stream.__anext__()
+        except RayActorError as exc:  # the chosen replica died before its first token
+            raise StreamError(replica_failure(exc)) from exc
         except BackPressureError as exc:
             # Serve installs its own plain-text handler for this error in the ingress app,
             # so it is turned into ours here, where the handle call is made.
@@ -159,14 +174,6 @@ class Generation:
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as exc:  # the replica died mid-stream (stopped, crashed, node lost)
+        except Exception as exc:  # the replica died mid-stream, or its call failed
             logger.warning("request %s: stream from its replica broke: %r", self.request_id, exc)
-            raise StreamError(
-                EngineErrorMessage(
-                    503,
-                    "service_unavailable",
-                    "the model replica serving this stream stopped before it finished "
-                    f"({type(exc).__name__}: it was shut down, crashed or lost its node); "
-                    "retry the request",
-                )
-            ) from exc
+            raise StreamError(replica_failure(exc)) from exc

@@ -6,6 +6,7 @@ hash of it and every block before it (as the engine's prefix cache keys its bloc
 prompt walks its chain of keys; the replicas that were sent every block so far are the
 candidates, and the deepest level reached is the match. Keys are kept in LRU order and the
 oldest are dropped past `max_blocks`, an approximation of the replicas' own eviction.
+Replicas that are gone are simply never asked about again, and their entries age out.
 
 Plain Python, no Ray: one per router (per ingress process, per model deployment).
 """
@@ -62,14 +63,6 @@ class PrefixIndex:
             holders[replica] = None
         while len(self._holders) > self.max_blocks:
             self._holders.popitem(last=False)
-
-    def remove_replica(self, replica: str) -> None:
-        """A replica is gone: so is its cache."""
-        for key in [k for k, holders in self._holders.items() if replica in holders]:
-            holders = self._holders[key]
-            del holders[replica]
-            if not holders:
-                del self._holders[key]
 
     def keys(self, token_ids: Sequence[int]) -> list[int]:
         return block_keys(token_ids, self.block_size, self.max_tokens)

@@ -22,16 +22,24 @@ def test_match_finds_the_replica_with_the_longest_prefix():
     assert index.match([0, 0, 0, 0], ["r1", "r2"]) == ([], 0)
 
 
-def test_removed_replicas_and_lru_eviction():
+def test_lru_eviction():
     index = PrefixIndex(block_size=2, max_blocks=4)
-    index.insert([1, 2, 3, 4], "a")
-    index.insert([1, 2, 3, 4], "b")
-    index.remove_replica("a")
-    assert index.match([1, 2, 3, 4], ["a", "b"]) == (["b"], 4)
-    index.remove_replica("b")
-    assert len(index) == 0
     index.insert([1, 2, 3, 4], "a")
     index.insert([5, 6, 7, 8, 9, 10], "a")  # 5 blocks in all: the oldest goes
     assert len(index) == 4
     assert index.match([1, 2, 3, 4], ["a"]) == ([], 0)
     assert index.match([5, 6, 7, 8, 9, 10], ["a"]) == (["a"], 6)
+
+
+def test_context_pins_go_with_their_replica():
+    from deployments.affinity_router import ContextPins
+
+    pins = ContextPins()
+    pins.pin("c1", "r1")
+    pins.pin("c2", "r1")
+    pins.pin("c3", "r2")
+    pins.pin("c2", "r2")  # created anew elsewhere: the new holder wins
+    pins.drop_replica("r1")
+    assert pins.holder == {"c2": "r2", "c3": "r2"}
+    pins.unpin("c3")
+    assert pins.holder == {"c2": "r2"} and pins.held == {"r2": {"c2"}}
