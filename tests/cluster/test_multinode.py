@@ -102,7 +102,7 @@ def replica_nodes(url: str) -> set[str]:
     return {e["node_id"] for e in engines if e["engine_name"] == MODEL}
 
 
-def stream(url: str, started: threading.Barrier | None = None) -> dict:
+def stream(url: str, started: threading.Event | None = None) -> dict:
     """One streamed chat completion; what it ended with and when."""
     body = {
         "model": MODEL,
@@ -128,7 +128,7 @@ def stream(url: str, started: threading.Barrier | None = None) -> dict:
             if not out["first"]:
                 out["first"] = True
                 if started is not None:
-                    started.wait(timeout=120)
+                    started.set()
             for choice in event["choices"]:
                 out["finish"] = choice.get("finish_reason") or out["finish"]
     out["ended"] = time.monotonic()
@@ -144,10 +144,12 @@ def test_killing_the_worker_node_under_load(cluster):
     assert len(nodes) == 2 and head in nodes, "one replica per node"
 
     n = 6
-    started = threading.Barrier(n + 1)
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(stream, url, started) for _ in range(n)]
-        started.wait(timeout=180)  # every stream has its first token
+        futures = []
+        for _ in range(n):  # one at a time, so that the router sees each one's load
+            started = threading.Event()
+            futures.append(pool.submit(stream, url, started))
+            assert started.wait(timeout=120), "a stream got no first token"
         killed = time.monotonic()
         c.kill_node("worker")
         results = [f.result(timeout=120) for f in futures]
@@ -160,8 +162,8 @@ def test_killing_the_worker_node_under_load(cluster):
             assert "retry" in r["error"]["message"]
     failed = [r for r in results if r["error"]]
     completed = [r for r in results if r["finish"] == "length" and not r["error"]]
-    assert failed, "the worker's streams end with an error event"
-    assert completed, "the head's streams complete"
+    assert failed, ("the worker's streams end with an error event", results)
+    assert completed, ("the head's streams complete", results)
     assert len(failed) + len(completed) == n
 
     # The head's replica keeps serving while the worker is gone.
