@@ -29,6 +29,14 @@ class BatchLayout:
     block_size: int
 
 
+def padded_block_tables(
+    tables: list[list[int]], lens: list[int], block_size: int
+) -> list[list[int]]:
+    """Each table cut or padded (with block 0) to the blocks the longest context needs."""
+    nblk = max((n + block_size - 1) // block_size for n in lens)
+    return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]
+
+
 class AttentionBackend(ABC):
     name: str = "abstract"
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from app.models.attention import AttentionBackend, BatchLayout
+from app.models.attention import AttentionBackend, BatchLayout, padded_block_tables
 
 PAGE_MULTIPLE = 256  # FlashAttention-2: page_block_size % 256 == 0
 
@@ -45,11 +45,6 @@ class FlashMetadata:
     cu_k: torch.Tensor | None = None  # (P + 1,) int32
     max_q: int = 0
     max_k: int = 0
-
-
-def _tables(tables: list[list[int]], lens: list[int], block_size: int) -> list[list[int]]:
-    nblk = max((n + block_size - 1) // block_size for n in lens)
-    return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]
 
 
 def _cumulative(lengths: list[int]) -> list[int]:
@@ -92,11 +87,15 @@ class FlashAttentionBackend(AttentionBackend):
         meta = FlashMetadata(to_device(layout.slot_mapping, torch.long), d)
         if d:
             lens = layout.context_lens[:d]
-            meta.decode_tables = to_device(_tables(layout.block_tables[:d], lens, bs), torch.int32)
+            meta.decode_tables = to_device(
+                padded_block_tables(layout.block_tables[:d], lens, bs), torch.int32
+            )
             meta.decode_lens = to_device(lens, torch.int32)
         if total > d:
             q_lens, lens = layout.query_lens[d:], layout.context_lens[d:]
-            meta.prefill_tables = to_device(_tables(layout.block_tables[d:], lens, bs), torch.int32)
+            meta.prefill_tables = to_device(
+                padded_block_tables(layout.block_tables[d:], lens, bs), torch.int32
+            )
             meta.cu_q = to_device(_cumulative(q_lens), torch.int32)
             meta.cu_k = to_device(_cumulative(lens), torch.int32)
             meta.max_q, meta.max_k = max(q_lens), max(lens)

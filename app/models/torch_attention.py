@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from app.models.attention import AttentionBackend, BatchLayout
+from app.models.attention import AttentionBackend, BatchLayout, padded_block_tables
 
 
 @dataclass
@@ -46,11 +46,6 @@ class TorchAttentionMetadata:
     decode_gather_index: torch.Tensor | None = None  # (D, nkv, nblk), torch path
     decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) additive float32, torch path
     prefills: list[PrefillSpan] | None = None  # torch path
-
-
-def _padded_tables(tables: list[list[int]], lens: list[int], block_size: int) -> list[list[int]]:
-    nblk = max((n + block_size - 1) // block_size for n in lens)
-    return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -102,7 +97,7 @@ class TorchPagedAttention(AttentionBackend):
         layout: BatchLayout, lo: int, hi: int, with_starts: bool = False
     ) -> KernelBatch:
         lens = layout.context_lens[lo:hi]
-        tables = _padded_tables(layout.block_tables[lo:hi], lens, layout.block_size)
+        tables = padded_block_tables(layout.block_tables[lo:hi], lens, layout.block_size)
         starts = None
         if with_starts:
             offsets = [0]
@@ -119,7 +114,9 @@ class TorchPagedAttention(AttentionBackend):
     ) -> None:
         d, bs = layout.num_decodes, layout.block_size
         lens = layout.context_lens[:d]
-        table = torch.tensor(_padded_tables(layout.block_tables[:d], lens, bs), dtype=torch.long)
+        table = torch.tensor(
+            padded_block_tables(layout.block_tables[:d], lens, bs), dtype=torch.long
+        )
         meta.decode_gather_index = (table[:, None, :] * nkv + torch.arange(nkv)[None, :, None]).to(
             device
         )
