@@ -33,6 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import QUESTIONS, Load, chat_body, closed_loop, mixed  # noqa: E402
+from tests.local_cluster import free_port, head_and_worker_app, running  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -63,12 +64,8 @@ def deploy(config, url: str) -> None:
     raise TimeoutError("the app did not start")
 
 
-def running_replicas(deployment: str = f"ModelServer:{MODEL}") -> int:
-    from ray import serve
-
-    app = serve.status().applications.get("default")
-    d = app.deployments.get(deployment) if app else None
-    return d.replica_states.get("RUNNING", 0) if d else 0
+def running_replicas() -> int:
+    return running(f"ModelServer:{MODEL}")
 
 
 def model_replica_names() -> list[str]:
@@ -139,27 +136,11 @@ def part_replica_kill(url: str, args) -> dict:
 
 
 def part_node_kill(args) -> dict:
-    import ray
-    from ray import serve
+    from app.builder import build_app
 
-    from tests.local_cluster import LocalCluster, free_port
-
-    c = LocalCluster()
     result: dict = {}
-    try:
-        c.start_head(num_cpus=2)
-        ray.init(address=c.address, log_to_driver=False)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        config = app_config(2, 1, engine={"kv_cache_memory_gib": 0.25})
-        deploying = threading.Thread(target=deploy, args=(config, url))
-        deploying.start()  # returns once both replicas run: the second needs the worker
-        # The worker joins once the head is full, so its CPU is left for the second replica.
-        placed = ("Ingress", "Tokenizer", "EngineRegistry", f"ModelServer:{MODEL}")
-        c.wait_for(lambda: all(map(running_replicas, placed)), 300, "the head's share")
-        c.add_node("worker", num_cpus=1, resources={"worker": 1})
-        deploying.join()
+    config = app_config(2, 1, engine={"kv_cache_memory_gib": 0.25})
+    with head_and_worker_app(build_app(config), f"ModelServer:{MODEL}") as (c, url):
         load = Load()
 
         async def run() -> None:
@@ -189,12 +170,6 @@ def part_node_kill(args) -> dict:
         )
         result["first_success_after_kill_s"] = round(first_ok - killed, 1) if first_ok else None
         print("node kill:", result, flush=True)
-    finally:
-        try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            c.stop()
     return result
 
 
@@ -255,8 +230,6 @@ def main() -> None:
     if local:
         import ray
         from ray import serve
-
-        from tests.local_cluster import free_port
 
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         port = free_port()

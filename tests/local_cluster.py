@@ -15,7 +15,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -142,3 +145,60 @@ class LocalCluster:
                 return value
             time.sleep(every_s)
         raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def running(deployment: str, app: str = "default") -> int:
+    """Running replicas of a Serve deployment, as the controller reports them."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    d = status.deployments.get(deployment) if status else None
+    return d.replica_states.get("RUNNING", 0) if d else 0
+
+
+@contextmanager
+def head_and_worker_app(application, model_deployment: str) -> Iterator[tuple[LocalCluster, str]]:
+    """`application` (two 1-CPU model replicas) as app "default" on a 2-CPU head and a
+    1-CPU worker node with a `worker` resource; yields (cluster, URL) once both replicas
+    run and /health answers, and stops Serve, Ray and the cluster after.
+
+    The head has room for the light deployments and one model replica. The worker joins
+    only once those are placed, so that its CPU is left for the second replica."""
+    import ray
+    from ray import serve
+
+    c = LocalCluster()
+    try:
+        c.start_head(num_cpus=2)
+        ray.init(address=c.address, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        # serve.run returns once every replica runs, which needs the worker: deploy from a
+        # thread while the worker joins.
+        deploying = threading.Thread(
+            target=serve.run, args=(application,), kwargs={"name": "default"}
+        )
+        deploying.start()
+        head = ("Ingress", "Tokenizer", "EngineRegistry", model_deployment)
+        c.wait_for(lambda: all(map(running, head)), 300, "the head's share of the app")
+        c.add_node("worker", num_cpus=1, resources={"worker": 1})
+        deploying.join(timeout=300)
+        url = f"http://127.0.0.1:{port}"
+        c.wait_for(lambda: running(model_deployment) == 2, 300, "two running model replicas")
+        c.wait_for(lambda: healthy(url), 60, "the app's /health")
+        yield c, url
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            c.stop()
+
+
+def healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False

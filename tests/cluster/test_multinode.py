@@ -13,87 +13,33 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.local_cluster import LocalCluster, free_port
+from tests.local_cluster import head_and_worker_app, running
 
 MODEL = "smollm2-135m-instruct"
+DEPLOYMENT = f"ModelServer:{MODEL}"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import serve
-
     from app.builder import build_app
     from app.config import AppConfig
 
-    c = LocalCluster()
-    try:
-        # The head has room for the light deployments and one 1-CPU model replica; the
-        # second replica waits for the worker node, the only place it fits.
-        c.start_head(num_cpus=2)
-        ray.init(address=c.address, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        config = AppConfig.model_validate(
-            {
-                "embeddings": {"enabled": False},
-                "models": [
-                    {
-                        "num_replicas": 2,
-                        "num_cpus": 1.0,
-                        "engine": {"num_threads": 1, "kv_cache_memory_gib": 0.25},
-                        # Spread the identical test streams by load alone.
-                        "routing": {"prefix_affinity": False},
-                    }
-                ],
-            }
-        )
-        # serve.run returns once every replica runs, which needs the worker: deploy from a
-        # thread while the worker joins.
-        deploying = threading.Thread(
-            target=serve.run, args=(build_app(config),), kwargs={"name": "default"}
-        )
-        deploying.start()
-        # The worker joins only once everything that fits on the head is placed there, so
-        # that the worker's CPU is left for the second model replica.
-        c.wait_for(head_placed, 300, "the light deployments and one replica on the head")
-        c.add_node("worker", num_cpus=1, resources={"worker": 1})
-        deploying.join(timeout=300)
-        url = f"http://127.0.0.1:{port}"
-        c.wait_for(lambda: running_replicas() == 2, 300, "two running model replicas")
-        c.wait_for(lambda: healthy(url), 60, "the app's /health")
-        yield c, url
-    finally:
-        try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            c.stop()
-
-
-def running(name: str) -> int:
-    from ray import serve
-
-    app = serve.status().applications.get("default")
-    deployment = app.deployments.get(name) if app else None
-    return deployment.replica_states.get("RUNNING", 0) if deployment else 0
-
-
-def running_replicas() -> int:
-    return running(f"ModelServer:{MODEL}")
-
-
-def head_placed() -> bool:
-    return all(running(d) for d in ("Ingress", "Tokenizer", "EngineRegistry")) and bool(
-        running_replicas()
+    config = AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "models": [
+                {
+                    "num_replicas": 2,
+                    "num_cpus": 1.0,
+                    "engine": {"num_threads": 1, "kv_cache_memory_gib": 0.25},
+                    # Spread the identical test streams by load alone.
+                    "routing": {"prefix_affinity": False},
+                }
+            ],
+        }
     )
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with head_and_worker_app(build_app(config), DEPLOYMENT) as (c, url):
+        yield c, url
 
 
 def replica_nodes(url: str) -> set[str]:
@@ -177,7 +123,7 @@ def test_killing_the_worker_node_under_load(cluster):
     # The node comes back (as Kubernetes would replace the pod); Serve puts the lost
     # replica on it.
     c.add_node("worker", num_cpus=1, resources={"worker": 1})
-    c.wait_for(lambda: running_replicas() == 2 and len(replica_nodes(url)) == 2, 180, "recovery")
+    c.wait_for(lambda: running(DEPLOYMENT) == 2 and len(replica_nodes(url)) == 2, 180, "recovery")
     with ThreadPoolExecutor(4) as pool:
         again = list(pool.map(lambda _: stream(url), range(4)))
     assert all(r["done"] and r["finish"] == "length" and not r["error"] for r in again)
