@@ -43,12 +43,18 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    def check_health(self, stuck_after_s: float = 60.0) -> None:
-        """Raise when the loop is dead, or busy but has not finished a step for too long."""
+    def check_health(self, stuck_after_s: float = 60.0, stalled_after_s: float = 60.0) -> None:
+        """Raise when the loop is dead, busy but has not finished a step for too long, or
+        has had work waiting with nothing scheduled for too long."""
         if not self.is_alive:
             raise EngineDeadError(f"engine loop is dead: {self._error!r}")
         if self.engine.has_work and time.monotonic() - self.last_step_at > stuck_after_s:
             raise EngineDeadError(f"engine loop has not completed a step in {stuck_after_s:.0f}s")
+        if self.engine.stalled_s > stalled_after_s:
+            raise EngineDeadError(
+                f"engine has had requests waiting and scheduled none for "
+                f"{self.engine.stalled_s:.0f}s"
+            )
 
     # ---- requests -----------------------------------------------------------------
     async def generate(
@@ -60,16 +66,18 @@ class AsyncEngine:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
         except BaseException:
-            self._streams.close(request_id)
+            self._streams.close(request_id, queue)
             raise
         self._wakeup.set()
         async for delta in self._streams.iterate(
-            request_id, queue, params.n, lambda: self.engine.abort(request_id)
+            request_id, queue, params.n, lambda: self.abort(request_id)
         ):
             yield delta
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        aborted = self.engine.abort(request_id)
+        self._wakeup.set()  # its blocks may let a waiting request in
+        return aborted
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -89,6 +97,9 @@ class AsyncEngine:
                 deltas = self.engine.step()
                 self.last_step_at = time.monotonic()
                 self._streams.dispatch(deltas)
+                if not self.engine.last_step_scheduled:  # nothing fits: wait, do not spin
+                    self._wakeup.wait(self._idle_wait_s)
+                    self._wakeup.clear()
         except BaseException as exc:  # a bug in a step: fail every stream, then die
             logger.exception("engine step failed")
             self._error = exc

@@ -37,6 +37,18 @@ class EngineConfig(BaseModel):
         None, ge=1, description="None: the model's own context length."
     )
     enable_prefix_caching: bool = True
+    max_contexts: int = Field(
+        1024,
+        ge=1,
+        description="Persistent contexts (Parrot contexts, llama.cpp slots) kept; past it the "
+        "least recently used idle one is dropped.",
+    )
+    max_context_tokens: int = Field(
+        1 << 20,
+        ge=1,
+        description="Tokens kept across all contexts (about 40 bytes each while evicted); past "
+        "it the least recently used idle contexts are dropped.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -5,6 +5,7 @@ The engine is single-stepped by one thread; `add_request` and `abort` may be cal
 from others (they take the lock, which a step releases while the model runs).
 """
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,12 +29,27 @@ from app.models.attention import select_backend
 from app.models.loader import LoadedModel, load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
-from app.protocol.errors import ConflictError, InvalidRequestError, NotImplementedByServerError
+from app.protocol.errors import (
+    CapacityError,
+    ConflictError,
+    InvalidRequestError,
+    NotImplementedByServerError,
+    ShoalError,
+)
 from app.protocol.messages import ContextOp, Primitive
-from app.protocol.outputs import CompletionOutput, FinishReason, RequestOutput, TokenDelta
+from app.protocol.outputs import (
+    CompletionOutput,
+    EngineErrorMessage,
+    FinishReason,
+    RequestOutput,
+    TokenDelta,
+    TokenLogprob,
+)
 from app.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+MAX_FAILED_FORWARDS = 3  # in a row: past this a forward failure is the engine's, not a batch's
 
 
 class LLMEngine:
@@ -71,18 +87,24 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.contexts = ContextStore(
+            self.block_manager, config.max_contexts, config.max_context_tokens
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             self.arch.eos_token_ids,
+            reclaim=self.contexts.evict_kv,
         )
         self.runner = ModelRunner(config, loaded.model, backend, num_blocks)
         self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
         self.requests: dict[str, list[Sequence]] = {}
-        self.contexts = ContextStore(self.block_manager)
-        self._aborted: list[TokenDelta] = []
+        self._aborted: list[TokenDelta] = []  # deltas of requests ended between steps
+        self._failed_forwards = 0  # in a row; past MAX_FAILED_FORWARDS the engine is broken
+        self._stalled_since: float | None = None  # work waiting, nothing scheduled
+        self.last_step_scheduled = False
         self._lock = threading.RLock()
         self.stats = EngineStats()
         self._refresh_stats()
@@ -94,9 +116,10 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError (or ContextLengthExceededError)
         when it can never be served."""
         prompt = self._checked_tokens(prompt_token_ids, "prompt")
+        self._check_params(params)
         with self._lock:
             if request_id in self.requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+                raise ConflictError(f"request id {request_id!r} is already in use")
             seq = Sequence(request_id, prompt, params, 0, time.monotonic())
             self.scheduler.add(seq)
             self.requests[request_id] = [seq]
@@ -109,9 +132,10 @@ class LLMEngine:
         tokens = self._checked_tokens(new_token_ids, "token_ids")
         if op.primitive is Primitive.FILL:
             params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        self._check_params(params)
         with self._lock:
             if request_id in self.requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+                raise ConflictError(f"request id {request_id!r} is already in use")
             seq = self.contexts.start(request_id, op, tokens, params)
             seq.arrival = time.monotonic()
             try:
@@ -122,10 +146,9 @@ class LLMEngine:
             self.requests[request_id] = [seq]
 
     def free_context(self, context_id: str) -> int:
-        """Drop a context; returns how many tokens it held."""
+        """Drop a context; returns how many tokens it held. A busy one is a ConflictError."""
         with self._lock:
-            held = len(self.contexts.get(context_id).token_ids)
-            self.contexts.free(context_id)
+            held = self.contexts.free(context_id)
             self._refresh_stats()
             return held
 
@@ -147,7 +170,14 @@ class LLMEngine:
             "cache_shape": list(self.runner.k_caches[0].shape[1:]),
         }
 
-    def save_context(self, context_id: str, path: str) -> dict:
+    def kv_bytes_per_block(self) -> int:
+        k = self.runner.k_caches[0]
+        return 2 * len(self.runner.k_caches) * k[0].numel() * k.element_size()
+
+    def save_context(self, context_id: str, path: str, quota_bytes: int | None = None) -> dict:
+        """Write a context's tokens and KV to `path`. Only the copy of its blocks holds
+        the engine's lock; the file is written after (callers run this off the step
+        loop). With `quota_bytes`, the files in `path`'s directory may not pass it."""
         self._single_shard("save")
         with self._lock:
             ctx = self.contexts.get(context_id)
@@ -157,15 +187,32 @@ class LLMEngine:
             blocks = holder.block_table[
                 : self.block_manager.blocks_needed(holder.num_computed_tokens)
             ]
-            kv = self.runner.read_blocks(blocks)
             tokens, computed = list(holder.token_ids), holder.num_computed_tokens
+            if quota_bytes is not None:
+                estimate = len(blocks) * self.kv_bytes_per_block() + 16 * len(tokens)
+                slot_files.check_quota(Path(path), estimate, quota_bytes)
+            kv = self.runner.read_blocks(blocks)
         size = slot_files.save(Path(path), self.fingerprint(), tokens, computed, kv)
         return {"n_saved": len(tokens), "n_written": size}
 
     def restore_context(self, context_id: str, path: str) -> dict:
+        """Load `path` (without the lock: callers run this off the step loop), then
+        install its blocks. A file larger than a whole context of this model could be
+        is refused before it is read."""
         self._single_shard("restore")
-        tokens, computed, kv = slot_files.load(Path(path), self.fingerprint())
+        max_bytes = (
+            self.block_manager.blocks_needed(self.max_model_len) * self.kv_bytes_per_block()
+            + 64 * self.max_model_len
+            + (1 << 20)
+        )
+        tokens, computed, kv = slot_files.load(Path(path), self.fingerprint(), max_bytes)
         self._checked_tokens(tokens, "filename")
+        if len(tokens) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the slot in {Path(path).name!r} holds {len(tokens)} tokens, more than the "
+                f"model's context of {self.max_model_len}",
+                param="filename",
+            )
         nblocks = self.block_manager.blocks_needed(computed)
         if tuple(kv.shape[2:]) != (nblocks, *self.runner.k_caches[0].shape[1:]) or kv.shape[:2] != (
             len(self.runner.k_caches),
@@ -175,7 +222,9 @@ class LLMEngine:
         with self._lock:
             holder = Sequence(f"context:{context_id}", tokens, SamplingParams())
             if not self.block_manager.can_append(holder, computed):
-                raise InvalidRequestError("not enough free KV cache blocks to restore it")
+                self.contexts.evict_kv(self.block_manager.blocks_to_append(holder, computed))
+            if not self.block_manager.can_append(holder, computed):
+                raise CapacityError("not enough free KV cache blocks to restore it now")
             self.block_manager.append_slots(holder, computed)
             self.runner.write_blocks(holder.block_table, kv)
             holder.num_computed_tokens = computed
@@ -217,6 +266,19 @@ class LLMEngine:
                 slots.append(slot)
             return slots
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """What only the engine can check: token ids against this model's vocabulary."""
+        vocab = self.arch.vocab_size
+        for field, ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field
+                )
+
     def _checked_tokens(self, token_ids: Seq[int], param: str) -> list[int]:
         tokens = list(token_ids)
         bad = next((t for t in tokens if not 0 <= t < self.arch.vocab_size), None)
@@ -246,39 +308,120 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._aborted)
 
+    @property
+    def stalled_s(self) -> float:
+        """How long requests have been waiting with nothing scheduled (0 when not)."""
+        since = self._stalled_since
+        return 0.0 if since is None else time.monotonic() - since
+
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        """One batch forward. A failure that belongs to one request ends that request
+        alone with an error delta; a failed forward ends the requests of its batch. Only
+        MAX_FAILED_FORWARDS failed forwards in a row raise (the engine is broken)."""
         started = time.perf_counter()
         with self._lock:
             deltas, self._aborted = self._aborted, []
             batch = self.scheduler.schedule()
+            self._note_progress(bool(batch.seqs))
         if not batch.seqs:
             return deltas
         prefill_tokens = sum(
             max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         )
-        logits, sampled = self.runner.run(batch)
+        try:
+            logits, sampled = self.runner.run(batch)
+            self._failed_forwards = 0
+        except Exception as exc:
+            self._failed_forwards += 1
+            if self._failed_forwards >= MAX_FAILED_FORWARDS:
+                raise
+            logger.exception("forward failed; ending the %d requests of its batch", len(batch))
+            with self._lock:
+                for seq in batch.seqs:
+                    self._fail(seq.request_id, exc)
+                deltas += self._aborted
+                self._aborted = []
+                self._refresh_stats()
+            return deltas
         with self._lock:
             self.scheduler.on_computed(batch)
             rows, seqs = self._expand_forks(sampled)
             if seqs:
                 if rows != list(range(len(sampled))):
                     logits = logits[rows]
-                result = self.sampler(logits, seqs)
-                for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
-                    self.scheduler.append_token(seq, token)
-                    if lp is not None:
-                        seq.logprobs.append(lp)
-                    deltas.append(self._delta(seq, (token,), lp, seq.finish_reason))
-                    if seq.is_finished and seq.context is not None:
-                        self.contexts.settle(seq)
+                for seq, picked in zip(seqs, self._sample(logits, seqs), strict=True):
+                    if seq.is_finished:
+                        continue  # its request failed earlier in this step
+                    try:
+                        if isinstance(picked, Exception):
+                            raise picked
+                        token, lp = picked
+                        self.scheduler.append_token(seq, token)
+                        if lp is not None:
+                            seq.logprobs.append(lp)
+                        deltas.append(self._delta(seq, (token,), lp, seq.finish_reason))
+                        if seq.is_finished and seq.context is not None:
+                            self.contexts.settle(seq)
+                    except Exception as exc:
+                        self._fail(seq.request_id, exc)
+            deltas += self._aborted  # the error deltas of requests that failed here
+            self._aborted = []
             for delta in deltas:
                 if delta.finish_reason is not None:
                     self._forget_if_done(delta.request_id)
             self._refresh_stats(batch.num_tokens, len(batch.seqs), len(seqs), prefill_tokens)
             self.stats.last_step_time_s = time.perf_counter() - started
         return deltas
+
+    def _note_progress(self, scheduled: bool) -> None:
+        self.last_step_scheduled = scheduled
+        if scheduled or not self.scheduler.has_work:
+            self._stalled_since = None
+        elif self._stalled_since is None:
+            self._stalled_since = time.monotonic()
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """The batch's tokens; if sampling the batch fails, row by row, so that only the
+        requests whose rows fail get the error."""
+        try:
+            result = self.sampler(logits, seqs)
+            return list(zip(result.token_ids, result.logprobs, strict=True))
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling row by row", len(seqs))
+        picked: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, seq in enumerate(seqs):
+            try:
+                one = self.sampler(logits[i : i + 1], [seq])
+                picked.append((one.token_ids[0], one.logprobs[0]))
+            except Exception as exc:
+                picked.append(exc)
+        return picked
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        """End one request because of an error of its own: free its blocks, leave its
+        context as it was, and queue one delta carrying the error."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return
+        if isinstance(exc, ShoalError):
+            error = EngineErrorMessage(exc.status_code, exc.error_type, exc.message, exc.param)
+        else:
+            logger.error("request %s failed: %r", request_id, exc)
+            error = EngineErrorMessage(
+                500, "engine_error", f"the engine failed on this request: {exc!r}"
+            )
+        seqs[0].pending_forks = 0
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                if seq.context is not None:
+                    self.contexts.release(seq)
+        delta = self._delta(seqs[0], (), None, FinishReason.ABORT)
+        self._aborted.append(dataclasses.replace(delta, error=error))
 
     def _expand_forks(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """Drop sequences aborted during the forward; fork n > 1 requests at their first
@@ -288,17 +431,22 @@ class LLMEngine:
         for row, seq in enumerate(sampled):
             if seq.is_finished:
                 continue
-            rows.append(row)
-            seqs.append(seq)
-            while seq.pending_forks:
-                index = seq.params.n - seq.pending_forks
-                seq.pending_forks -= 1
-                child = seq.fork(index)
-                self.block_manager.fork(seq, child)
-                self.scheduler.add_running(child)
-                self.requests[seq.request_id].append(child)
+            try:
+                children = []
+                while seq.pending_forks:
+                    index = seq.params.n - seq.pending_forks
+                    seq.pending_forks -= 1
+                    child = seq.fork(index)
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    self.requests[seq.request_id].append(child)
+                    children.append(child)
+            except Exception as exc:
+                self._fail(seq.request_id, exc)
+                continue
+            for s in (seq, *children):
                 rows.append(row)
-                seqs.append(child)
+                seqs.append(s)
         return rows, seqs
 
     def _forget_if_done(self, request_id: str) -> None:
@@ -327,7 +475,11 @@ class LLMEngine:
             s.max_batch_num_seqs = max(s.max_batch_num_seqs, batch_seqs)
             s.num_generated_tokens += sampled
             s.num_prompt_tokens += prefill_tokens
-        s.num_contexts = len(self.contexts)
+        c = self.contexts
+        s.num_contexts, s.num_contexts_resident = len(c), c.num_resident
+        s.num_context_tokens = c.num_tokens
+        s.num_context_evictions, s.num_context_drops = c.num_evictions, c.num_drops
+        s.stalled_s = self.stalled_s
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_blocks_total, s.kv_blocks_free = bm.total, bm.free

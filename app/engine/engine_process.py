@@ -8,11 +8,16 @@ loop never waits for it (vLLM's V1 engine core and SGLang's scheduler do the sam
 Wire (a Unix socket pair, pickled tuples):
   parent -> child  ("add", request_id, prompt_ids, params) | ("abort", request_id)
                    | ("call", call_id, name, args) | ("stop",)
-  child -> parent  ("ready", info) | ("fatal", *error) | ("deltas", [TokenDelta, ...])
+  child -> parent  ("ready", info) | ("fatal", *error)
+                   | ("deltas", [TokenDelta, ...], stalled_s)
                    | ("error", request_id, *error) | ("reply", call_id, ok, value)
 where *error is (status_code, error_type, message, param). One "deltas" message per step
-(empty ones only as a heartbeat once a second while busy). The child exits when the
-parent's end closes, so a killed replica never leaves an engine behind.
+(empty ones only as a heartbeat once a second while busy); `stalled_s` says how long
+requests have waited with nothing scheduled, which fails the health check past a limit.
+A step that schedules nothing is followed by a short wait for a message, not a spin.
+Slot file calls run in a thread of the child: a 4 GB save never stalls the step loop.
+The child exits when the parent's end closes, so a killed replica never leaves an engine
+behind.
 
 Same streaming contract as AsyncEngine: `generate` yields one request's deltas, and a
 consumer that stops early aborts the request in the engine.
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,6 +48,7 @@ from app.protocol.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+STALLED_POLL_S = 0.02  # after a step that scheduled nothing: wait this long for a message
 
 
 def _error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
@@ -54,11 +60,18 @@ def _error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
 # ---- parent side -----------------------------------------------------------------------
 class EngineProcess:
     def __init__(
-        self, config: EngineConfig, tp_master: str | None = None, start_timeout_s: float = 900.0
+        self,
+        config: EngineConfig,
+        tp_master: str | None = None,
+        start_timeout_s: float = 900.0,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         """`tp_master`: with tensor_parallel_size > 1, the "host:port" where this engine
-        (rank 0) meets its shards (app.engine.shard), which the caller starts."""
+        (rank 0) meets its shards (app.engine.shard), which the caller starts.
+        `on_death` is called (from the reader thread) after the engine died unasked and
+        every stream got the error."""
         self.config = config
+        self._on_death = on_death
         self._streams = DeltaStreams()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
@@ -95,6 +108,7 @@ class EngineProcess:
             raise RemoteError(*first[1:])
         self.info: dict[str, Any] = first[1]
         self.last_message_at = time.monotonic()
+        self.stalled_s = 0.0  # as of the last message
         self._reader = threading.Thread(target=self._read_loop, name="shoal-engine-io", daemon=True)
         self._reader.start()
 
@@ -107,12 +121,17 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self._error is None and self._proc.poll() is None
 
-    def check_health(self, stuck_after_s: float = 60.0) -> None:
-        """Raise when the process is gone, or busy but silent for too long."""
+    def check_health(self, stuck_after_s: float = 60.0, stalled_after_s: float = 60.0) -> None:
+        """Raise when the process is gone, busy but silent for too long, or has had work
+        waiting with nothing scheduled for too long."""
         if not self.is_alive:
             raise EngineDeadError(self._death())
         if len(self._streams) and time.monotonic() - self.last_message_at > stuck_after_s:
             raise EngineDeadError(f"engine has not completed a step in {stuck_after_s:.0f}s")
+        if len(self._streams) and self.stalled_s > stalled_after_s:
+            raise EngineDeadError(
+                f"engine has had requests waiting and scheduled none for {self.stalled_s:.0f}s"
+            )
 
     def _death(self) -> str:
         if self._error is not None:
@@ -137,7 +156,7 @@ class EngineProcess:
         try:
             self._send(("add", request_id, list(prompt_token_ids), params, context))
         except BaseException:
-            self._streams.close(request_id)
+            self._streams.close(request_id, queue)
             raise
         async for delta in self._streams.iterate(
             request_id, queue, params.n, lambda: self.abort(request_id)
@@ -190,6 +209,7 @@ class EngineProcess:
                 self.last_message_at = time.monotonic()
                 kind = message[0]
                 if kind == "deltas":
+                    self.stalled_s = message[2]
                     self._streams.dispatch(message[1])
                 elif kind == "error":
                     self._streams.fail(message[1], RemoteError(*message[2:]))
@@ -207,6 +227,8 @@ class EngineProcess:
         self._streams.fail_all(error)
         for call_id in list(self._calls):
             self._resolve(call_id, False, _error_parts(error))
+        if self._error is not None and self._on_death is not None:
+            self._on_death(self._error)
 
     def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
         target = self._calls.get(call_id)
@@ -232,9 +254,11 @@ _CALLS = {
     "free_context": lambda engine, context_id: engine.free_context(context_id),
     "context_tokens": lambda engine, context_id: engine.context_tokens(context_id),
     "slots": lambda engine: engine.slots(),
-    "save_context": lambda engine, context_id, path: engine.save_context(context_id, path),
+    "save_context": lambda engine, *args: engine.save_context(*args),
     "restore_context": lambda engine, context_id, path: engine.restore_context(context_id, path),
 }
+# File I/O: run in a thread, never on the step loop (the engine locks what it touches).
+_THREADED_CALLS = {"save_context", "restore_context"}
 
 
 def _die_with_parent() -> None:
@@ -270,12 +294,29 @@ def _serve(conn: Connection) -> int:
         logger.exception("engine failed to start")
         conn.send(("fatal", *_error_parts(exc)))
         return 1
-    conn.send(("ready", {"model": engine.source.name, "max_model_len": engine.max_model_len}))
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def run_call(call_id: int, name: str, args: tuple) -> None:
+        try:
+            send(("reply", call_id, True, _CALLS[name](engine, *args)))
+        except (OSError, EOFError):
+            pass  # the parent is gone
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                send(("reply", call_id, False, _error_parts(exc)))
+
+    send(("ready", {"model": engine.source.name, "max_model_len": engine.max_model_len}))
     last_sent = time.monotonic()
     while True:
-        timeout = 0.0 if engine.has_work else HEARTBEAT_S
         if not engine.has_work:
+            timeout = HEARTBEAT_S
             tp.broadcast_object(HEARTBEAT)  # idle shards stay in touch (see app.engine.shard)
+        else:
+            timeout = 0.0 if engine.last_step_scheduled else STALLED_POLL_S
         while conn.poll(timeout):
             message = conn.recv()
             kind = message[0]
@@ -287,15 +328,17 @@ def _serve(conn: Connection) -> int:
                     else:
                         engine.add_context_request(request_id, context, token_ids, params)
                 except Exception as exc:
-                    conn.send(("error", message[1], *_error_parts(exc)))
+                    send(("error", message[1], *_error_parts(exc)))
             elif kind == "abort":
                 engine.abort(message[1])
             elif kind == "call":
                 _, call_id, name, args = message
-                try:
-                    conn.send(("reply", call_id, True, _CALLS[name](engine, *args)))
-                except Exception as exc:
-                    conn.send(("reply", call_id, False, _error_parts(exc)))
+                if name in _THREADED_CALLS:
+                    threading.Thread(
+                        target=run_call, args=(call_id, name, args), daemon=True
+                    ).start()
+                else:
+                    run_call(call_id, name, args)
             elif kind == "stop":
                 tp.broadcast_object(None)
                 return 0
@@ -306,11 +349,11 @@ def _serve(conn: Connection) -> int:
             deltas = engine.step()
         except Exception as exc:
             logger.exception("engine step failed")
-            conn.send(("fatal", *_error_parts(exc)))
+            send(("fatal", *_error_parts(exc)))
             return 1
         now = time.monotonic()
         if deltas or now - last_sent > HEARTBEAT_S:
-            conn.send(("deltas", deltas))
+            send(("deltas", deltas, engine.stalled_s))
             last_sent = now
 
 

@@ -5,9 +5,15 @@ in arrival order (one token each when decoding, a chunk of the prompt otherwise)
 waiting ones. When the KV cache runs out, the newest running sequence is preempted:
 its blocks are freed (full ones stay in the prefix cache) and it goes back to the head
 of the queue, to be recomputed later with the same tokens and so the same output.
+Before anything running is preempted, or a waiting request is left waiting, idle
+persistent contexts give up their KV (`reclaim`): they are a cache, not a reservation.
+
+A request with `n` outputs is admitted only when all of them fit under `max_num_seqs`
+(its outputs fork from it at its first token and join the batch at once).
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.engine.block_manager import BlockManager, CopyOnWrite
@@ -38,8 +44,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        reclaim: Callable[[int], int] = lambda blocks_wanted: 0,
     ) -> None:
+        """`reclaim(n)` frees KV held by idle contexts until `n` blocks are free and
+        returns how many it freed."""
         self.block_manager = block_manager
+        self.reclaim = reclaim
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -64,6 +74,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens)
+        if seq.params.n > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={seq.params.n} outputs are more than the {self.max_num_seqs} sequences "
+                "this server batches (max_num_seqs)",
+                param="n",
+            )
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -98,7 +114,10 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest unscheduled running sequences until `seq` fits; False if
         `seq` itself had to go."""
-        while not self.block_manager.can_append(seq, n):
+        bm = self.block_manager
+        while not bm.can_append(seq, n):
+            if self.reclaim(bm.blocks_to_append(seq, n)):
+                continue
             victim = next((s for s in reversed(self.running) if s not in batch.seqs), None)
             if victim is None or victim is seq:
                 self._preempt(seq)
@@ -108,17 +127,24 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Outputs not yet forked take their seats from admission on.
+        seats = len(self.running) + sum(s.pending_forks for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + 1 + seq.pending_forks > self.max_num_seqs:
+                break
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_append(seq, n):
+                self.reclaim(bm.blocks_to_append(seq, n))
             if not bm.can_append(seq, n):
                 bm.free(seq)  # give back the prefix hits; try again next step
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += 1 + seq.pending_forks
             self._add_to_batch(batch, seq, n)
             budget -= n
 

@@ -16,10 +16,37 @@ from typing import Any
 
 import torch
 
-from app.protocol.errors import InvalidRequestError
+from app.protocol.errors import ConflictError, InvalidRequestError, NotImplementedByServerError
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 FORMAT = "shoal-slot-v1"
+SAFE_TORCH = (2, 6)  # the first torch whose weights_only load has no known bypass
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def directory_usage(directory: Path, exclude: Path | None = None) -> int:
+    total = 0
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False) and Path(entry.path) != exclude:
+            total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def check_quota(path: Path, new_bytes: int, quota_bytes: int) -> None:
+    """Refuse a save that would take the slot directory past its quota (a file being
+    replaced does not count)."""
+    used = directory_usage(path.parent, exclude=path)
+    if used + new_bytes > quota_bytes:
+        raise ConflictError(
+            f"saving about {new_bytes} bytes would take the slot directory to "
+            f"{used + new_bytes} bytes, past its quota of {quota_bytes} (slot_save_quota_bytes); "
+            "the operator must remove files from it",
+            param="filename",
+        )
 
 
 def checked_path(directory: str | Path, filename: str) -> Path:
@@ -58,9 +85,22 @@ def save(
     return path.stat().st_size
 
 
-def load(path: Path, fingerprint: dict[str, Any]) -> tuple[list[int], int, torch.Tensor]:
+def load(
+    path: Path, fingerprint: dict[str, Any], max_bytes: int
+) -> tuple[list[int], int, torch.Tensor]:
+    if torch_version() < SAFE_TORCH:
+        raise NotImplementedByServerError(
+            f"slot restore needs torch >= {SAFE_TORCH[0]}.{SAFE_TORCH[1]} (CVE-2025-32434), "
+            f"this server has {torch.__version__}"
+        )
     if not path.is_file():
         raise InvalidRequestError(f"no saved slot named {path.name!r}", param="filename")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise InvalidRequestError(
+            f"{path.name!r} is {size} bytes, more than a slot of this model can take ({max_bytes})",
+            param="filename",
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         ok = isinstance(payload, dict) and payload.get("format") == FORMAT

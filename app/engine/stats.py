@@ -9,7 +9,11 @@ class EngineStats:
     num_steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    num_contexts: int = 0  # persistent contexts held (Parrot Fill/Generate)
+    num_contexts: int = 0  # persistent contexts held (Parrot Fill/Generate, slots)
+    num_contexts_resident: int = 0  # ... of which have their KV in the cache
+    num_context_tokens: int = 0  # tokens across all contexts
+    num_context_evictions: int = 0  # contexts that gave up their KV for other requests
+    num_context_drops: int = 0  # contexts dropped for max_contexts / max_context_tokens
     batch_num_seqs: int = 0  # sequences in the last step's batch
     batch_num_tokens: int = 0  # tokens in the last step's batch
     max_batch_num_seqs: int = 0  # largest batch so far
@@ -23,6 +27,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (prefilled), all steps
     num_generated_tokens: int = 0
     last_step_time_s: float = 0.0
+    stalled_s: float = 0.0  # work waiting and nothing scheduled for this long
 
     @property
     def kv_usage(self) -> float:

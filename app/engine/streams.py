@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
+from app.protocol.errors import ConflictError, RemoteError
 from app.protocol.outputs import TokenDelta
 
 
@@ -19,12 +20,18 @@ class DeltaStreams:
         return len(self._queues)
 
     def open(self, request_id: str) -> asyncio.Queue:
+        """A queue for a new request; an id already streaming is refused, so that a
+        second stream never takes the first one's deltas."""
+        if request_id in self._queues:
+            raise ConflictError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         return queue
 
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def close(self, request_id: str, queue: asyncio.Queue | None = None) -> None:
+        """Forget a request's queue (only `queue`, when given: never a newer stream's)."""
+        if queue is None or self._queues.get(request_id, (None, None))[1] is queue:
+            self._queues.pop(request_id, None)
 
     async def iterate(
         self, request_id: str, queue: asyncio.Queue, num_outputs: int, abort: Callable[[], None]
@@ -38,11 +45,15 @@ class DeltaStreams:
                 if isinstance(item, BaseException):
                     open_outputs = 0  # the engine already forgot it
                     raise item
+                if item.error is not None:  # the engine ended this request alone
+                    open_outputs = 0
+                    e = item.error
+                    raise RemoteError(e.status_code, e.error_type, e.message, e.param)
                 if item.finish_reason is not None:
                     open_outputs -= 1
                 yield item
         finally:
-            self.close(request_id)
+            self.close(request_id, queue)
             if open_outputs:
                 abort()
 

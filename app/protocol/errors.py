@@ -86,3 +86,18 @@ class RemoteError(ShoalError):
 
     def __reduce__(self):  # noqa: ANN204 (pickled across processes with all four fields)
         return (RemoteError, (self.status_code, self.error_type, self.message, self.param))
+
+
+class ContextGoneError(NotFoundError):
+    """A context the server dropped to stay within its limits (reported once)."""
+
+    status_code = 410
+    error_type = "context_gone_error"
+
+
+class CapacityError(ShoalError):
+    """A per-replica limit is reached and nothing can be reclaimed now: retry later."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    retry_after_s = 1.0

@@ -3,7 +3,10 @@
 from dataclasses import dataclass
 from enum import StrEnum
 
+from app.protocol.outputs import EngineErrorMessage
 from app.protocol.sampling import SamplingParams
+
+__all__ = ["ContextOp", "EngineErrorMessage", "GenerateRequest", "Primitive"]
 
 
 class Primitive(StrEnum):
@@ -26,14 +29,3 @@ class GenerateRequest:
     prompt_token_ids: list[int]  # with `context`: the tokens to add to it
     params: SamplingParams
     context: ContextOp | None = None
-
-
-@dataclass(frozen=True)
-class EngineErrorMessage:
-    """A request the engine refused or could not finish; the ingress maps it to the
-    dialect's error format (before the first token) or to an error event (mid-stream)."""
-
-    status_code: int
-    error_type: str
-    message: str
-    param: str | None = None

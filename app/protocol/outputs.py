@@ -18,11 +18,23 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineErrorMessage:
+    """A request the engine refused or could not finish; the ingress maps it to the
+    dialect's error format (before the first token) or to an error event (mid-stream)."""
+
+    status_code: int
+    error_type: str
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
     """New tokens of one output sequence since the previous delta.
 
     `index` is the output's position among a request's `n` outputs. The last delta
-    of an output carries its `finish_reason`; earlier ones carry None.
+    of an output carries its `finish_reason`; earlier ones carry None. A delta with an
+    `error` ends the whole request (every output): the engine gave up on it alone.
     """
 
     request_id: str
@@ -32,6 +44,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: EngineErrorMessage | None = None
 
 
 @dataclass(slots=True)

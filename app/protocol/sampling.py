@@ -7,6 +7,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from app.protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # seeds are int64 everywhere (torch, vLLM); n outputs use seed + index
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(BaseModel):
@@ -24,9 +27,11 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    logit_bias: dict[int, float] = Field(default_factory=dict)
-    seed: int | None = Field(None, description="Same seed, same output, whatever the batch.")
-    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="Same seed, same output, whatever the batch."
+    )
+    stop_token_ids: tuple[int, ...] = Field((), max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: int | None = Field(
         None,
@@ -42,7 +47,7 @@ class SamplingParams(BaseModel):
         for token_id, bias in self.logit_bias.items():
             if token_id < 0:
                 raise ValueError(f"logit_bias has a negative token id {token_id}")
-            if not -100.0 <= bias <= 100.0:
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
                 raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100]")
         return self
 

@@ -175,3 +175,117 @@ def test_good_slot_filenames(tmp_path):
 
     for name in ("slot1.bin", "a-b_c.kv", "x" * 255):
         assert slot_files.checked_path(tmp_path, name).parent == tmp_path.resolve()
+
+
+# ---- bounded state: contexts never wedge a replica ---------------------------------------
+def test_idle_contexts_give_up_their_kv_to_ordinary_requests_and_are_rebuilt(tiny_llama):
+    engine = tiny_engine(tiny_llama, num_kv_blocks=16, block_size=4)  # 64 tokens of KV
+    for cid in ("a", "b", "c"):
+        run(engine, f"f{cid}", fill(cid), list(range(10, 30)))  # 5 blocks each
+    # 40 tokens need 10 blocks: only the contexts' KV can make room (it used to wait forever).
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request("big", list(range(40, 60)), params)
+    out = []
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        out += [t for d in engine.step() if d.request_id == "big" for t in d.token_ids]
+    assert len(out) == 20 and not engine.has_work
+    assert engine.stats.num_context_evictions >= 1
+    evicted = [c for c in engine.contexts.contexts.values() if not c.is_resident]
+    assert evicted, "some context must have given up its KV"
+    # An evicted context keeps its tokens and continues exactly as before.
+    cid = evicted[0].context_id
+    again = run(engine, "g", gen(cid), [])
+    fresh = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+    want = fresh.generate([list(range(10, 30))], GREEDY)[0].outputs[0].token_ids
+    assert again == list(want)
+
+
+def test_past_max_contexts_the_least_recently_used_idle_one_is_dropped(tiny_llama):
+    from app.protocol.errors import ContextGoneError
+
+    engine = tiny_engine(tiny_llama, max_contexts=2)
+    run(engine, "1", fill("a"), [1, 2, 3])
+    run(engine, "2", fill("b"), [4, 5, 6])
+    run(engine, "3", gen("a"), [])  # a is now the most recently used
+    run(engine, "4", fill("c"), [7, 8, 9])
+    assert set(engine.contexts.contexts) == {"a", "c"}
+    with pytest.raises(ContextGoneError) as info:
+        engine.add_context_request("5", gen("b"), [], GREEDY)
+    assert info.value.status_code == 410 and "'b'" in info.value.message
+    assert "max_contexts" in info.value.message
+    with pytest.raises(NotFoundError):  # said once; then the id is free again
+        engine.add_context_request("6", gen("b"), [], GREEDY)
+    assert engine.stats.num_context_drops == 1
+
+
+def test_busy_contexts_are_never_dropped_a_new_one_waits_for_room(tiny_llama):
+    from app.protocol.errors import CapacityError
+
+    engine = tiny_engine(tiny_llama, max_contexts=1)
+    engine.add_context_request("f", fill("a"), [1, 2, 3], GREEDY)  # in flight: busy
+    with pytest.raises(CapacityError) as info:
+        engine.add_context_request("g", fill("b"), [4, 5], GREEDY)
+    assert info.value.status_code == 429
+    while engine.has_work:
+        engine.step()
+    assert engine.context_tokens("a") == [1, 2, 3]
+    assert "b" not in engine.contexts.contexts
+
+
+def test_max_context_tokens_drops_the_least_recently_used(tiny_llama):
+    engine = tiny_engine(tiny_llama, max_context_tokens=20)
+    run(engine, "1", fill("a"), list(range(1, 11)))
+    run(engine, "2", fill("b"), list(range(1, 11)))
+    run(engine, "3", fill("c"), [5, 6, 7])
+    assert set(engine.contexts.contexts) == {"b", "c"}
+    with pytest.raises(InvalidRequestError, match="max_context_tokens"):  # alone too big
+        engine.add_context_request("4", fill("d"), list(range(1, 25)), GREEDY)
+    assert "d" not in engine.contexts.contexts
+
+
+def test_a_busy_context_cannot_be_freed_and_its_result_never_lands_elsewhere(engine):
+    run(engine, "f", fill("c"), [1, 2, 3, 4, 5])
+    engine.add_context_request("g", gen("c"), [], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ConflictError):
+        engine.free_context("c")
+    while engine.has_work:
+        engine.step()
+    assert len(engine.context_tokens("c")) == 10
+    assert engine.free_context("c") == 10
+
+
+def test_a_failed_first_primitive_leaves_no_context_behind(engine):
+    too_long = SamplingParams(max_tokens=10_000)
+    with pytest.raises(InvalidRequestError):
+        engine.add_context_request("g", gen("new"), [1, 2, 3], too_long)
+    assert "new" not in engine.contexts.contexts
+    assert engine.block_manager.stats().used == 0
+
+
+def test_slot_files_are_bounded(engine, tmp_path, monkeypatch):
+    from app.engine import slot_files
+    from app.protocol.errors import NotImplementedByServerError
+
+    run(engine, "f", fill("s"), list(range(1, 30)))
+    path = slot_files.checked_path(tmp_path, "s.bin")
+    with pytest.raises(ConflictError, match="quota"):
+        engine.save_context("s", str(path), quota_bytes=100)
+    assert not path.exists()
+    engine.save_context("s", str(path), quota_bytes=10 << 20)
+    # Bigger than any slot of this model: refused before torch reads a byte.
+    huge = tmp_path / "huge.bin"
+    with huge.open("wb") as f:
+        f.truncate(64 << 20)
+
+    def no_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("torch.load must not run")
+
+    monkeypatch.setattr(slot_files.torch, "load", no_load)
+    with pytest.raises(InvalidRequestError, match="bytes, more than"):
+        engine.restore_context("x", str(huge))
+    monkeypatch.setattr(slot_files, "torch_version", lambda: (2, 5))
+    with pytest.raises(NotImplementedByServerError, match="CVE-2025-32434"):
+        engine.restore_context("x", str(path))

@@ -8,6 +8,7 @@ from app.protocol import (
     InvalidRequestError,
     SamplingParams,
 )
+from app.protocol.errors import ConflictError
 from tests.helpers import tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -123,7 +124,7 @@ def test_admission_rejects_what_can_never_fit(tiny_llama):
 def test_duplicate_request_id_is_rejected(tiny_llama):
     eng = tiny_engine(tiny_llama)
     eng.add_request("a", prompt(5), GREEDY)
-    with pytest.raises(InvalidRequestError, match="already"):
+    with pytest.raises(ConflictError, match="already"):  # 409: the first one runs on
         eng.add_request("a", prompt(5), GREEDY)
 
 
