@@ -100,6 +100,49 @@ def pod_labels(group: Doc, node_type: str, group_name: str) -> dict[str, str]:
     }
 
 
+def pod_specs() -> dict[str, Doc]:
+    """The pod templates' specs of every pod k8s/ runs: the Ray head, the Ray workers and Redis."""
+    return {
+        "head": cluster()["headGroupSpec"]["template"]["spec"],
+        "worker": worker_group()["template"]["spec"],
+        "redis": one("Deployment", "shoal-redis")["spec"]["template"]["spec"],
+    }
+
+
+def containers(pod: str) -> list[Doc]:
+    """A pod's init and app containers, for the head with the autoscaler sidecar as KubeRay
+    adds it (common/pod.go: only its securityContext and volumeMounts come from
+    autoscalerOptions). KubeRay's wait-gcs-ready init container copies the Ray container's
+    securityContext and volumeMounts, and its Redis cleanup Job keeps the head's Ray container:
+    both are covered by the Ray containers themselves."""
+    spec = pod_specs()[pod]
+    found = [*spec.get("initContainers", []), *spec["containers"]]
+    if pod == "head" and cluster().get("enableInTreeAutoscaling"):
+        options = cluster().get("autoscalerOptions", {})
+        found.append(
+            {
+                "name": "autoscaler",
+                "securityContext": options.get("securityContext"),
+                "volumeMounts": options.get("volumeMounts", []),
+            }
+        )
+    return found
+
+
+def volumes(pod: str) -> dict[str, Doc]:
+    return {v["name"]: v for v in pod_specs()[pod].get("volumes", [])}
+
+
+def mount_for(container: Doc, path: str) -> Doc | None:
+    """The volumeMount of `container` that holds `path` (the deepest one), if any."""
+    holding = [
+        m
+        for m in container.get("volumeMounts", [])
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    return max(holding, key=lambda m: len(m["mountPath"]), default=None)
+
+
 def head_labels() -> dict[str, str]:
     return pod_labels(cluster()["headGroupSpec"], "head", "headgroup")
 
@@ -178,18 +221,21 @@ def container_port(container: Doc, target: int | str) -> int:
 
 # ---------------------------------------------------------------- NetworkPolicy
 
+# The namespace the manifests are applied in (`kubectl apply -f k8s/` names none): any but the
+# KubeRay operator's.
+APP_NS = {"kubernetes.io/metadata.name": "shoal"}
+
 
 def _peer_admits(peer: Doc, labels: dict[str, str], ns_labels: dict[str, str] | None) -> bool:
-    """ns_labels None: the source is in the policy's own namespace."""
+    """ns_labels None: the source is in the policy's own namespace (labelled APP_NS)."""
     assert "ipBlock" not in peer
     for sel in (peer.get("podSelector"), peer.get("namespaceSelector")):
         assert sel is None or set(sel) <= {"matchLabels"}, "only matchLabels is modelled"
+    same_ns = ns_labels is None or ns_labels == APP_NS
     if "namespaceSelector" in peer:
-        ns_ok = ns_labels is None or matches(
-            peer["namespaceSelector"].get("matchLabels", {}), ns_labels
-        )
+        ns_ok = matches(peer["namespaceSelector"].get("matchLabels", {}), ns_labels or APP_NS)
     else:
-        ns_ok = ns_labels is None
+        ns_ok = same_ns
     pod_sel = peer.get("podSelector", {}).get("matchLabels", {})
     return ns_ok and matches(pod_sel, labels)
 

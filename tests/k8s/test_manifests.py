@@ -1,9 +1,13 @@
 """k8s/: the RayService against KubeRay's CRD schema (and broken copies against it, so the
-check can fail), the Ray cluster's shape, the Services, Redis and the NetworkPolicies."""
+check can fail), the Ray cluster's shape, the Services, Redis, the NetworkPolicies and the
+pods' security settings (users, capabilities, service account tokens, secrets)."""
 
 import copy
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jsonschema
@@ -12,19 +16,25 @@ import pytest
 from tests.k8s.kube import (
     K8S,
     RAY_KINDS,
+    ROOT,
     Doc,
+    app_args,
     cluster,
     container_port,
+    containers,
     crd_schema,
     head_labels,
     manifests,
     matches,
+    mount_for,
     one,
+    pod_specs,
     ray_container,
     rayservice,
     reachable,
     requires_crds,
     schema_errors,
+    volumes,
     worker_group,
     worker_labels,
 )
@@ -215,17 +225,105 @@ def test_gcs_fault_tolerance_points_at_the_redis_service() -> None:
     assert container_port(redis, svc_port["targetPort"]) in [
         p["containerPort"] for p in redis["ports"]
     ]
-    # Redis and the head read the same Secret.
+    # Redis (its config file and redis-cli) and the head read the same Secret.
+    head_secret = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
     env = {e["name"]: e for e in redis["env"]}
-    secret = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-    assert secret == ft["redisPassword"]["valueFrom"]["secretKeyRef"]
-    assert "$(REDIS_PASSWORD)" in redis["args"][redis["args"].index("--requirepass") + 1]
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == head_secret
+    secret = volumes("redis")["password"]["secret"]
+    assert secret["secretName"] == head_secret["name"]
+    assert [i["key"] for i in secret["items"]] == [head_secret["key"]]
+
+
+def _redis_config_script() -> tuple[Doc, str]:
+    (init,) = pod_specs()["redis"]["initContainers"]
+    assert init["command"][:2] == ["sh", "-ec"]
+    return init, init["command"][2]
+
+
+def _words(container: Doc) -> list[str]:
+    probes = [container.get(p, {}).get("exec", {}) for p in ("readinessProbe", "livenessProbe")]
+    return [
+        *container.get("command", []),
+        *container.get("args", []),
+        *(w for probe in probes for w in probe.get("command", [])),
+    ]
+
+
+def test_redis_password_is_on_no_command_line() -> None:
+    """Not in redis-server's argv (ps, /proc/<pid>/cmdline, the pod spec), nor redis-cli's."""
+    secret_env: set[str] = set()
+    for c in containers("redis"):
+        env = {
+            e["name"]
+            for e in c.get("env", [])
+            if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "shoal-redis"
+        }
+        secret_env |= env
+        words = " ".join(_words(c))
+        # Kubernetes expands $(NAME) in command and args from the container's env.
+        assert not {n for n in env if f"$({n})" in words}, f"{c['name']}: secret in argv"
+        assert "requirepass" not in " ".join(c.get("args", [])), c["name"]
+        assert not re.search(r"(^|\s)(-a|--pass|--requirepass)(\s|$)", words), c["name"]
+    assert secret_env == {"REDISCLI_AUTH"}, "redis-cli reads it from its env, nothing else"
+    # redis-server reads the file the init container writes, from a volume the two share.
+    init, _ = _redis_config_script()
+    (redis,) = pod_specs()["redis"]["containers"]
+    assert redis["args"][0] == "redis-server"
+    conf = redis["args"][1]
+    mount = mount_for(redis, conf)
+    assert mount and mount["readOnly"] is True
+    assert "emptyDir" in volumes("redis")[mount["name"]]
+    init_mount = mount_for(init, conf)
+    assert init_mount and init_mount["name"] == mount["name"] and not init_mount.get("readOnly")
+    assert "redis-cli ping" in " ".join(_words(redis))
+
+
+def _decode_redis_string(text: str) -> bytes:
+    """`requirepass "..."` as Redis's config parser (sdssplitargs) reads the \\xHH form the
+    init container writes."""
+    m = re.fullmatch(r'requirepass "((?:\\x[0-9a-f]{2})*)"\n', text)
+    assert m, text
+    return bytes.fromhex(m.group(1).replace("\\x", ""))
+
+
+def _run_redis_config(tmp_path: Path, password: bytes) -> subprocess.CompletedProcess[str]:
+    if not all(shutil.which(t) for t in ("sh", "od", "tr", "sed")):
+        pytest.skip("needs sh, od, tr and sed, as the redis image has them")
+    init, script = _redis_config_script()
+    secret_dir, conf_dir = tmp_path / "secret", tmp_path / "conf"
+    secret_dir.mkdir()
+    conf_dir.mkdir()
+    (secret_dir / "password").write_bytes(password)
+    for m in init["volumeMounts"]:
+        local = secret_dir if m["name"] == "password" else conf_dir
+        script = script.replace(m["mountPath"], str(local))
+    return subprocess.run(["sh", "-ec", script], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "password",
+    [b"0f3a9c" * 8, b'a "b" \\ c $(x) `y` %s \' ; #\n', bytes(range(1, 256)), b"ends-in-newline\n"],
+)
+def test_redis_config_holds_the_password_byte_for_byte(tmp_path: Path, password: bytes) -> None:
+    """As KubeRay hands it to the head (REDIS_PASSWORD from the Secret, unchanged)."""
+    run = _run_redis_config(tmp_path, password)
+    assert run.returncode == 0, run.stderr
+    (conf,) = (tmp_path / "conf").iterdir()
+    assert _decode_redis_string(conf.read_text()) == password
+    assert conf.stat().st_mode & 0o077 == 0, "only redis's user reads it"
+
+
+def test_redis_config_refuses_an_empty_password(tmp_path: Path) -> None:
+    """`requirepass ""` would turn authentication off: the pod must not start instead."""
+    assert _run_redis_config(tmp_path, b"").returncode != 0
 
 
 # ---------------------------------------------------------------- NetworkPolicy
 
 
 OTHER_NS = {"kubernetes.io/metadata.name": "elsewhere"}
+OPERATOR_NS_NAME = "kuberay-system"  # where the README installs the KubeRay operator
+OPERATOR_NS = {"kubernetes.io/metadata.name": OPERATOR_NS_NAME}
 OPERATOR = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": "kuberay"}
 CLIENT = {"app": "client"}
 
@@ -251,7 +349,25 @@ def test_networkpolicy_keeps_ray_ports_inside_the_cluster(target: str, port: int
     assert not reachable(pod, port, CLIENT, OTHER_NS)
     assert not reachable(pod, port, worker_labels(), OTHER_NS)  # another Shoal's pods
     assert not reachable(pod, port, redis_labels())
-    assert reachable(pod, port, OPERATOR, OTHER_NS) == (port == 8265)
+    assert reachable(pod, port, OPERATOR, OPERATOR_NS) == (port == 8265)
+
+
+@pytest.mark.parametrize("target", ["head", "worker"])
+def test_dashboard_is_open_only_to_the_operators_namespace(target: str) -> None:
+    """Not to a pod that takes the operator's label in another namespace (or this one), nor
+    to other pods of the operator's namespace."""
+    pod = head_labels() if target == "head" else worker_labels()
+    assert reachable(pod, 8265, OPERATOR, OPERATOR_NS)
+    assert reachable(pod, 8265, head_labels())
+    for source, ns in ((OPERATOR, OTHER_NS), (OPERATOR, None), (CLIENT, OPERATOR_NS)):
+        assert not reachable(pod, 8265, source, ns)
+
+
+def test_readme_installs_the_operator_where_the_policy_expects_it() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Deploying on Kubernetes (KubeRay)", 1)[1].split("\n## ", 1)[0]
+    (install,) = [line for line in section.splitlines() if "helm install kuberay-operator" in line]
+    assert f"--namespace {OPERATOR_NS_NAME}" in install
 
 
 def test_the_policy_does_not_depend_on_the_random_cluster_name() -> None:
@@ -267,3 +383,96 @@ def test_redis_takes_only_ray_pods() -> None:
         assert reachable(redis, 6379, source)
     for source, ns in ((CLIENT, None), (CLIENT, OTHER_NS), (OPERATOR, OTHER_NS)):
         assert not reachable(redis, 6379, source, ns)
+
+
+# ---------------------------------------------------------------- pod security
+
+# The images' own users: rayproject/ray's `ray` (uid 1000, group users = 100), redis's `redis`.
+USERS = {"head": (1000, 100), "worker": (1000, 100), "redis": (999, 999)}
+PODS = list(USERS)
+
+
+@pytest.mark.parametrize("pod", PODS)
+def test_pods_run_as_their_images_non_root_user(pod: str) -> None:
+    sc = pod_specs()[pod]["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert (sc["runAsUser"], sc["runAsGroup"]) == USERS[pod]
+    assert sc["fsGroup"] == USERS[pod][1], "mounted secrets and volumes belong to its group"
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+@pytest.mark.parametrize("pod", PODS)
+def test_containers_drop_every_privilege(pod: str) -> None:
+    found = containers(pod)
+    assert found
+    for c in found:
+        sc = c.get("securityContext") or {}
+        assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
+        assert not sc.get("capabilities", {}).get("add"), c["name"]
+        assert not sc.get("privileged"), c["name"]
+        assert sc.get("runAsNonRoot", True) is True and sc.get("runAsUser", 1) != 0, c["name"]
+
+
+@pytest.mark.parametrize("pod", PODS)
+def test_root_filesystems_are_read_only(pod: str) -> None:
+    """Each container writes only to volumes: Ray under /tmp (an emptyDir: Ray's sessions, logs
+    and spilled objects, Python's and torch's temporary files), Redis under /data."""
+    vols = volumes(pod)
+    for c in containers(pod):
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+        for m in c.get("volumeMounts", []):
+            assert m["name"] in vols, f"{c['name']} mounts the missing volume {m['name']}"
+    if pod != "redis":
+        for c in containers(pod):
+            tmp = mount_for(c, "/tmp/ray")
+            assert tmp and tmp["mountPath"] == "/tmp", c["name"]
+            assert "emptyDir" in vols[tmp["name"]]
+    else:
+        (redis,) = pod_specs()["redis"]["containers"]
+        data = redis["args"][redis["args"].index("--dir") + 1]
+        assert "persistentVolumeClaim" in vols[mount_for(redis, data)["name"]]
+
+
+@pytest.mark.parametrize("pod", PODS)
+def test_no_pod_mounts_a_service_account_token(pod: str) -> None:
+    assert pod_specs()[pod]["automountServiceAccountToken"] is False
+    for c in containers(pod):
+        if c["name"] == "autoscaler":
+            continue
+        token = mount_for(c, "/var/run/secrets/kubernetes.io/serviceaccount/token")
+        assert token is None, f"{c['name']} mounts a token"
+
+
+def test_only_the_autoscaler_gets_the_api_token() -> None:
+    """It scales the worker group through the Kubernetes API, with the in-cluster credentials
+    Ray's KubeRay node provider reads (token and ca.crt in the usual place); the Ray container,
+    which runs the application, has none."""
+    (autoscaler,) = [c for c in containers("head") if c["name"] == "autoscaler"]
+    mount = mount_for(autoscaler, "/var/run/secrets/kubernetes.io/serviceaccount/token")
+    assert mount and mount["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    assert mount["readOnly"] is True
+    sources = volumes("head")[mount["name"]]["projected"]["sources"]
+    token = [s["serviceAccountToken"] for s in sources if "serviceAccountToken" in s]
+    assert [t["path"] for t in token] == ["token"]
+    ca = [s["configMap"] for s in sources if "configMap" in s]
+    assert ca == [{"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}]
+    (api,) = [s["downwardAPI"] for s in sources if "downwardAPI" in s]
+    assert api["items"][0]["path"] == "namespace"
+    assert mount_for(ray_container(cluster()["headGroupSpec"]), mount["mountPath"]) is None
+
+
+@pytest.mark.parametrize("pod", ["head", "worker"])
+def test_every_ray_pod_mounts_the_config_secret_at_config_path(pod: str) -> None:
+    """Serve builds the application (and reads config_path) on whichever Ray pod it picks."""
+    path = PurePosixPath(app_args()["config_path"])
+    group = cluster()["headGroupSpec"] if pod == "head" else worker_group()
+    mount = mount_for(ray_container(group), str(path))
+    assert mount and mount["readOnly"] is True
+    secret = volumes(pod)[mount["name"]]["secret"]
+    assert secret["secretName"] == "shoal-config"
+    assert not secret.get("optional"), "no Secret must mean no pod, not a server without keys"
+    relative = str(path.relative_to(mount["mountPath"]))
+    assert [i["path"] for i in secret["items"]] == [relative]
+    assert [i["key"] for i in secret["items"]] == ["config.yaml"]
+    assert secret["defaultMode"] & 0o007 == 0, "not world-readable"

@@ -1,12 +1,15 @@
 """k8s/rayservice.yaml's serveConfigV2: it parses as Serve's deploy schema, its import path is
 Shoal's application builder, its args validate and build the same deployments as the default
-app, and what they ask for fits the worker pods. Built as Serve builds it, without Ray."""
+app, what they ask for fits the worker pods, and the API keys come from the Secret's file that
+`config_path` names. Built as Serve builds it, without Ray."""
 
 import copy
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.k8s.kube import (
     app_args,
@@ -20,9 +23,20 @@ from tests.k8s.kube import (
     worker_group,
 )
 
+# What the shoal-config Secret's config.yaml holds (README: "Deploying on Kubernetes").
+SECRET_CONFIG = {"api_keys": ["k8s-test-key-1", "k8s-test-key-2"]}
+
+
+def _args_with_secret(tmp_path: Path) -> dict[str, Any]:
+    """serveConfigV2's args with config_path pointed at a local copy of the Secret's file
+    (the pods mount it at config_path)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(SECRET_CONFIG))
+    return {**app_args(), "config_path": str(path)}
+
 
 @pytest.fixture(scope="module")
-def built_apps() -> dict[str, Any]:
+def built_apps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The application serveConfigV2 deploys and the default one, built as Serve builds them
     (args through the builder's annotation), without starting Ray."""
     from ray._common.utils import import_attr
@@ -33,10 +47,11 @@ def built_apps() -> dict[str, Any]:
     from app.config import AppConfig
 
     (application,) = serve_config()["applications"]
+    args = _args_with_secret(tmp_path_factory.mktemp("shoal-config"))
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("SHOAL_CONFIG", raising=False)
         builder = import_attr(application["import_path"])
-        app = call_user_app_builder_with_args_if_necessary(builder, application["args"])
+        app = call_user_app_builder_with_args_if_necessary(builder, args)
     return {
         "builder": builder,
         "k8s": serve_build_app(app, name="shoal"),
@@ -149,7 +164,47 @@ def test_secrets_stay_out_of_the_serve_config() -> None:
     assert "HF_TOKEN" not in text
     env = {e["name"]: e for e in ray_container(worker_group()).get("env", [])}
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+    # A Secret manifest here would also overwrite the real one at each `kubectl apply -f k8s/`.
     assert not [d for _, d in manifests() if d["kind"] == "Secret"], "no credentials in the repo"
+
+
+def test_api_keys_come_from_the_config_file(tmp_path: Path) -> None:
+    """Fields in `args` override the file's, so `args` must not set api_keys (not even to [],
+    which would turn auth off whatever the Secret says)."""
+    from app.config import AppArgs
+
+    args = app_args()
+    assert "api_keys" not in args
+    assert args["config_path"].startswith("/")
+    config = AppArgs.model_validate(_args_with_secret(tmp_path)).resolve()
+    assert config.api_keys == SECRET_CONFIG["api_keys"]
+    (model,) = config.models
+    assert model.name == args["models"][0]["name"], "args still set everything else"
+
+
+def test_the_builder_reads_config_path(built_apps: dict[str, Any], tmp_path: Path) -> None:
+    """Serve's builder path reads the file: a missing one fails the deploy instead of serving
+    without keys."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    args = {**app_args(), "config_path": str(tmp_path / "missing.yaml")}
+    with pytest.raises(FileNotFoundError):
+        call_user_app_builder_with_args_if_necessary(built_apps["builder"], args)
+
+
+def test_http_requests_have_a_time_limit() -> None:
+    """The application's limit ends a request whatever its headers; Serve's proxy limit,
+    which a client can lift, is a backstop just above it."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from app.config import AppArgs
+
+    serve_limit = ServeDeploySchema.model_validate(serve_config()).http_options.request_timeout_s
+    # The Secret's file holds only api_keys: the args (or the default) set the limit.
+    args = {k: v for k, v in app_args().items() if k != "config_path"}
+    app_limit = AppArgs.model_validate(args).request_timeout_s
+    assert app_limit is not None and 60 <= app_limit <= 3600
+    assert serve_limit is not None and app_limit < serve_limit <= app_limit + 120
 
 
 def test_hf_home_is_on_the_workers_cache_volume() -> None:
