@@ -1,5 +1,7 @@
 """The Serve application graph as built from typed args (no Ray started)."""
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
@@ -56,3 +58,35 @@ def test_args_override_the_config_file(tmp_path, monkeypatch):
     assert (resolved.max_tokens_default, resolved.api_keys) == (7, ["k2"])
     monkeypatch.setenv("SHOAL_CONFIG", str(path))
     assert AppArgs().resolve().max_tokens_default == 7
+
+
+def ray_cpus(application) -> float:
+    """The CPUs Ray must find free to start every replica the application begins with."""
+    total = 0.0
+    for d in deployments(application).values():
+        config, replica = d._deployment_config, d._replica_config
+        count = config.num_replicas
+        if config.autoscaling_config is not None:
+            auto = config.autoscaling_config
+            count = max(auto.min_replicas, auto.initial_replicas or 0)
+        bundles = replica.placement_group_bundles
+        per_replica = (
+            sum(b.get("CPU", 0) for b in bundles)
+            if bundles
+            else replica.ray_actor_options.get("num_cpus", 1)
+        )
+        total += count * per_replica
+    return total
+
+
+@pytest.mark.parametrize(
+    "path",
+    [None, *sorted(str(p) for p in (Path(__file__).parents[2] / "configs").glob("*.yaml"))],
+    ids=lambda p: Path(p).name if p else "default",
+)
+def test_every_shipped_config_fits_two_cpus(path):
+    """Shoal's promise: the default app and every config in configs/ start on a 2-core
+    machine (Ray counts 2 CPUs there); a deployment that does not fit is never scheduled
+    and the app never answers."""
+    config = AppConfig() if path is None else AppConfig.from_yaml(path)
+    assert ray_cpus(build_app(config)) <= 2.0, path
