@@ -88,6 +88,15 @@ class ModelDeploymentConfig(BaseModel):
     slot_save_path: str | None = Field(
         None, description="Directory for POST /slots/{id}?action=save|restore; None: off (501)."
     )
+    slot_save_quota_bytes: int = Field(
+        8 << 30, ge=0, description="Most bytes the slot files in slot_save_path may take."
+    )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="The health check fails when requests have waited this long with nothing "
+        "scheduled (a wedged engine), and Serve replaces the replica.",
+    )
     stream_messages_per_s: float = Field(
         100.0,
         ge=0,
@@ -124,6 +133,12 @@ class AppConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     cors_origins: list[str] = Field(default_factory=list, description="Empty: CORS off.")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
+    request_timeout_s: float | None = Field(
+        900.0,
+        gt=0,
+        description="A request still running after this long is cancelled (408 before its "
+        "first byte, else its stream ends); None: no limit. Clients cannot lift it.",
+    )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request names none.")
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ Serve routes each ModelServer handle call through this router (the deployment's
 
 - A call that names a context (Parrot's Fill/Generate/free, a llama.cpp slot) must reach
   the one replica that holds it. The call that creates a context goes where the usual
-  choice sends it (a child goes where its parent is) and pins it there; if that replica
+  choice sends it (a child goes where its parent is) and pins it there, before it is
+  sent, so that a concurrent call for the same new context follows it; if that replica
   is gone, its contexts went with it: the call falls back and gets the engine's 404.
 - Any other generate call prefers the replicas that were sent the longest prefix of its
   prompt (a shared system prompt, the earlier turns of a chat), as remembered by a
@@ -21,6 +22,7 @@ power-of-two router (FIFOMixin) would give it to the oldest waiting request, whi
 a pinned context would be the wrong replica.
 """
 
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -36,19 +38,31 @@ from ray.serve.request_router import (
 from app.config import RoutingConfig
 from deployments.prefix_index import PrefixIndex
 
+MAX_PINS = 100_000  # contexts remembered per ingress (~150 B each)
+
 
 class ContextPins:
     """Which replica holds each context, and the reverse, so that a replica's pins go
-    with it."""
+    with it. At most `capacity` pins, least recently used dropped first. A pin outlives
+    its context (freed, or dropped by the engine's limits): calls that name it go to
+    that replica and get its 404, or create it there again. So a free does not unpin
+    (it may also be refused while the context is busy)."""
 
-    def __init__(self) -> None:
-        self.holder: dict[str, str] = {}  # context id -> replica unique id
+    def __init__(self, capacity: int = MAX_PINS) -> None:
+        self.capacity = capacity
+        self.holder: OrderedDict[str, str] = OrderedDict()  # context id -> replica id
         self.held: dict[str, set[str]] = {}  # replica unique id -> context ids
 
     def pin(self, context: str, replica: str) -> None:
         self.unpin(context)
         self.holder[context] = replica
         self.held.setdefault(replica, set()).add(context)
+        while len(self.holder) > self.capacity:
+            self.unpin(next(iter(self.holder)))
+
+    def touch(self, context: str) -> None:
+        if context in self.holder:
+            self.holder.move_to_end(context)
 
     def unpin(self, context: str) -> None:
         replica = self.holder.pop(context, None)
@@ -83,6 +97,12 @@ def _contexts(pending: PendingRequest | None) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _creates_context(pending: PendingRequest) -> bool:
+    """Only calls that can create a context pin it; a lookup or a free must not."""
+    method, args = pending.metadata.call_method, pending.args
+    return method == "generate" or (method == "slot_action" and bool(args) and args[0] == "restore")
+
+
 def _prompt(pending: PendingRequest | None) -> list[int] | None:
     """The prompt of a generate call that names no context."""
     if pending is None or pending.metadata.call_method != "generate" or not pending.args:
@@ -113,18 +133,39 @@ class AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         context, parent = _contexts(pending_request)
-        for key in (context, parent):
-            holder = self.pins.holder.get(key) if key else None
-            for replica in candidate_replicas if holder is not None else ():
-                if replica.replica_id.unique_id == holder:
-                    # Only this replica will do: if it is full, wait (with backoff) for it.
-                    pending_request.routing_context.should_backoff = True
-                    return [[replica]]
+        chosen = self._holder(candidate_replicas, context) or self._holder(
+            candidate_replicas, parent
+        )
+        creates = context is not None and _creates_context(pending_request)
+        if chosen is None and creates:
+            ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+                self, candidate_replicas, pending_request
+            )
+            cache = self.replica_queue_len_cache
+            pool = ranks[0] if ranks and ranks[0] else candidate_replicas
+            chosen = min(pool, key=lambda r: cache.get(r.replica_id) or 0)
+        if chosen is not None:
+            if creates:
+                # Pinned now, before the call is sent: a second call for the same new
+                # context, routed meanwhile, must find the pin (else both replicas would
+                # create it and one copy would leak).
+                self.pins.pin(context, chosen.replica_id.unique_id)
+            # Only this replica will do: if it is full, wait (with backoff) for it.
+            pending_request.routing_context.should_backoff = True
+            return [[chosen]]
         ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(
             self, candidate_replicas, pending_request
         )
         preferred = self._prefix_holders(candidate_replicas, _prompt(pending_request))
         return [preferred, *ranks] if preferred else ranks
+
+    def _holder(
+        self, candidates: list[RunningReplica], context: str | None
+    ) -> RunningReplica | None:
+        holder = self.pins.holder.get(context) if context else None
+        if holder is None:
+            return None
+        return next((r for r in candidates if r.replica_id.unique_id == holder), None)
 
     def _prefix_holders(
         self, candidates: list[RunningReplica], prompt: list[int] | None
@@ -157,13 +198,10 @@ class AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         context, _ = _contexts(pending_request)
         if context is None:
             return
-        method, args = pending_request.metadata.call_method, pending_request.args
-        if method == "free_context":
-            self.pins.unpin(context)
-        elif method == "generate" or (method == "slot_action" and args[0] == "restore"):
-            # Only calls that can create the context pin it; a lookup must not. A pin to a
-            # replica that is gone is replaced: the context was created anew.
-            self.pins.pin(context, replica_id.unique_id)
+        if _creates_context(pending_request):
+            self.pins.pin(context, replica_id.unique_id)  # where it really went
+        else:
+            self.pins.touch(context)
 
     # A gone replica's contexts went with it. Its prefix entries are left to age out of
     # the index (LRU): `match` only ever considers live replicas.

@@ -92,7 +92,10 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc)
-        message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+        if err.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
+            message = f"Unrecognized request argument supplied: {where}"
+        else:
+            message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
         return error_response(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,5 +1,12 @@
 """From a model replica's token deltas to text: per-output detokenization, stop strings,
-usage counts and logprobs. Used by every dialect's routes."""
+usage counts and logprobs. Used by every dialect's routes.
+
+A Generation owns its replica call from start to end: however its consumer stops (done,
+an error, the client gone, the task cancelled while it waits for the first token or
+anywhere after), the call is cancelled, and with it the request in the engine. A request
+whose replica turns out dead before its first token is sent again (the router has
+dropped that replica by then), unless it names a context, which died with the replica.
+"""
 
 import asyncio
 import logging
@@ -21,6 +28,11 @@ from app.text.stop import StopStrings
 
 logger = logging.getLogger("ray.serve")
 
+RETRIES_BEFORE_FIRST_TOKEN = 2
+RETRY_PAUSE_S = 0.5
+# What a replica whose engine is dead answers (see ModelServer): safe to send elsewhere.
+ENGINE_UNAVAILABLE = "engine_unavailable"
+
 
 def replica_failure(exc: Exception) -> EngineErrorMessage:
     """The error event for a stream whose replica call failed."""
@@ -32,6 +44,22 @@ def replica_failure(exc: Exception) -> EngineErrorMessage:
     else:
         message = f"the model replica failed: {type(exc).__name__}: {exc}"
     return EngineErrorMessage(503, "service_unavailable", message)
+
+
+def cancel_call(stream: Any) -> None:
+    """Cancel a streaming handle call, wherever it is. Serve's `cancel` misses one case:
+    a call already sent to a replica whose caller was cancelled before it read which
+    one (the replica then generates for no one until it ends)."""
+    stream.cancel()
+    sent = getattr(stream, "_replica_result_future", None)
+    if (
+        getattr(stream, "_replica_result", None) is None
+        and isinstance(sent, asyncio.Future)
+        and sent.done()
+        and not sent.cancelled()
+        and sent.exception() is None
+    ):
+        sent.result().cancel()
 
 
 class StreamError(Exception):
@@ -90,9 +118,9 @@ class Generation:
             )
             for i in range(params.n)
         ]
-        self._stream = handle.generate.remote(
-            GenerateRequest(self.request_id, prompt_ids, params, context)
-        )
+        self._handle = handle
+        self._request = GenerateRequest(self.request_id, prompt_ids, params, context)
+        self._stream = handle.generate.remote(self._request)
         self._first: TokenDelta | EngineErrorMessage | None = None
         self._timer = timer  # TokenTimer or None
         self.first_token_at: float | None = None  # perf_counter of the first token
@@ -113,9 +141,29 @@ class Generation:
     async def start(self) -> None:
         """Wait for the first item so that a refusal becomes a proper HTTP error."""
         try:
-            self._first = await self._stream.__anext__()
-        except RayActorError as exc:  # the chosen replica died before its first token
-            raise StreamError(replica_failure(exc)) from exc
+            for attempt in range(RETRIES_BEFORE_FIRST_TOKEN + 1):
+                last = attempt == RETRIES_BEFORE_FIRST_TOKEN
+                try:
+                    self._first = await self._stream.__anext__()
+                except RayActorError as exc:  # the chosen replica died before its first token
+                    if last or self._request.context is not None:
+                        raise StreamError(replica_failure(exc)) from exc
+                    logger.warning("request %s: replica lost, sending it again", self.request_id)
+                else:
+                    first = self._first
+                    if not (
+                        isinstance(first, EngineErrorMessage)
+                        and first.error_type == ENGINE_UNAVAILABLE
+                        and not last
+                        and self._request.context is None
+                    ):
+                        break
+                    logger.warning(
+                        "request %s: %s; sending it again", self.request_id, first.message
+                    )
+                # By then the dead replica has left and the router has dropped it.
+                await asyncio.sleep(RETRY_PAUSE_S * (attempt + 1))
+                self._stream = self._handle.generate.remote(self._request)
         except BackPressureError as exc:
             # Serve installs its own plain-text handler for this error in the ingress app,
             # so it is turned into ours here, where the handle call is made.
@@ -124,13 +172,26 @@ class Generation:
                 exc.status_code,
                 exc.retry_after_s or 1.0,
             ) from None
+        except BaseException:  # cancelled while waiting (client gone), or refused
+            self.cancel()
+            raise
         if isinstance(self._first, EngineErrorMessage):
             raise StreamError(self._first)
 
     def cancel(self) -> None:
-        self._stream.cancel()
+        cancel_call(self._stream)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
+        """Text pieces until every output ends; the replica call is cancelled however
+        this ends early (an error, the consumer cancelled or gone)."""
+        try:
+            async for delta in self._text_deltas():
+                yield delta
+        finally:
+            if any(o.finish_reason is None for o in self.outputs):
+                self.cancel()
+
+    async def _text_deltas(self) -> AsyncIterator[TextDelta]:
         items = self._items()
         async for item in items:
             if isinstance(item, EngineErrorMessage):

@@ -1,12 +1,10 @@
 """Ingress: the FastAPI app. Validates, routes by `model`, formats; no model work here."""
 
-import hmac
 import logging
 import time
-import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.middleware.cors import CORSMiddleware
 from ray import serve
 
@@ -14,8 +12,9 @@ from app.config import AppConfig
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer
 from app.protocol.errors import ShoalError
-from deployments.errors import install_error_handlers, openai_error
+from deployments.errors import install_error_handlers
 from deployments.metrics import IngressMetrics
+from deployments.request_guard import RequestGuard
 from deployments.routes.llamacpp import build_router as build_llamacpp_router
 from deployments.routes.ollama import build_router as build_ollama_router
 from deployments.routes.openai import build_router
@@ -36,45 +35,31 @@ def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
     app.include_router(build_llamacpp_router(get_ingress))
     app.include_router(build_ollama_router(get_ingress))
     install_error_handlers(app)
-    if config.cors_origins:
+
+    def observe(scope: dict, status: int, seconds: float) -> None:
+        ingress = get_ingress_or_none()
+        if ingress is not None:  # label by route template, never by raw path (cardinality)
+            label = getattr(scope.get("route"), "path", "unmatched")
+            ingress.metrics.requests.labels(label, str(status)).inc()
+        # Serve's proxy returns the same id as X-Request-Id on every response.
+        headers = dict(scope.get("headers", ()))
+        logger.info(
+            "%s %s %s %d %.1fms",
+            headers.get(b"x-request-id", b"-").decode("latin-1"),
+            scope.get("method"),
+            scope.get("path"),
+            status,
+            1000 * seconds,
+        )
+
+    app.add_middleware(RequestGuard, config=config, observe=observe)
+    if config.cors_origins:  # outermost: preflights and 401s carry CORS headers
         app.add_middleware(
             CORSMiddleware,
             allow_origins=config.cors_origins,
             allow_methods=["*"],
             allow_headers=["*"],
         )
-    keys = [k.encode() for k in config.api_keys]
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):  # noqa: ANN001, ANN202
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]  # relative to the app's route prefix
-        if keys and path != "/health":
-            auth = request.headers.get("authorization", "")
-            token = auth[7:].encode() if auth.lower().startswith("bearer ") else b""
-            if not any(hmac.compare_digest(token, k) for k in keys):
-                return openai_error(401, "Invalid or missing API key", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
-            return openai_error(413, f"request body over {config.max_request_bytes} bytes")
-        started = time.perf_counter()
-        response = await call_next(request)
-        ingress = get_ingress_or_none()
-        if ingress is not None:  # label by route template, never by raw path (cardinality)
-            label = getattr(request.scope.get("route"), "path", "unmatched")
-            ingress.metrics.requests.labels(label, str(response.status_code)).inc()
-        # Serve's proxy returns the same id as X-Request-Id on every response.
-        logger.info(
-            "%s %s %s %d %.1fms",
-            request_id,
-            request.method,
-            request.url.path,
-            response.status_code,
-            1000 * (time.perf_counter() - started),
-        )
-        return response
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -3,6 +3,7 @@ the ingress."""
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.config import ModelDeploymentConfig
 from app.engine import slot_files
+from app.engine.async_engine import EngineDeadError
 from app.engine.engine_process import EngineProcess
 from app.engine.pacing import StreamPacer
 from app.protocol.errors import (
@@ -27,12 +29,15 @@ from app.protocol.errors import (
 )
 from app.protocol.messages import EngineErrorMessage, GenerateRequest
 from app.protocol.outputs import TokenDelta
+from deployments.generation import ENGINE_UNAVAILABLE
 from deployments.registry import HEARTBEAT_S, runtime_info
 from deployments.shard_actor import ShardActor
 
 logger = logging.getLogger("ray.serve")
 
 SHARD_NAMESPACE = "shoal-shards"
+EXIT_AFTER_ENGINE_DEATH_S = 0.3
+SLOT_IO_TIMEOUT_S = 600.0
 
 
 def slot_context(slot_id: int) -> str:
@@ -51,7 +56,7 @@ class ModelServer:
         self.shard_runs: list = []
         master = self._start_shards() if config.engine.tensor_parallel_size > 1 else None
         try:
-            self.engine = EngineProcess(config.engine, tp_master=master)
+            self.engine = EngineProcess(config.engine, tp_master=master, on_death=self._engine_died)
         except BaseException:
             self._stop_shards()
             raise
@@ -63,6 +68,14 @@ class ModelServer:
                 target=self._heartbeats, args=(registry,), name="shoal-heartbeat", daemon=True
             ).start()
         logger.info("model %s ready", config.name)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """Leave at once: a replica without an engine would answer every request with an
+        error instantly, so the router (which favours idle replicas) would send it most of
+        the traffic until three failed health checks. Once this actor is gone, routers drop
+        it and Serve starts a new one. The pause lets the streams' error events out."""
+        logger.error("model %s: %s; this replica exits", self.config.name, error)
+        threading.Timer(EXIT_AFTER_ENGINE_DEATH_S, os._exit, args=(1,)).start()
 
     def _heartbeats(self, registry: Any) -> None:
         """Register with the EngineRegistry, then send runtime info every HEARTBEAT_S."""
@@ -93,15 +106,20 @@ class ModelServer:
         logger.info(
             "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
+        started = False
         try:
             deltas = self.engine.generate(
                 request.request_id, request.prompt_token_ids, request.params, request.context
             )
             async for delta in self.pacer.pace(deltas):
+                started = True
                 yield delta
         except ShoalError as exc:
             yield EngineErrorMessage(exc.status_code, exc.error_type, exc.message, exc.param)
-        except Exception as exc:  # the engine died under this request
+        except EngineDeadError as exc:  # before its first token: the ingress sends it elsewhere
+            kind = "engine_error" if started else ENGINE_UNAVAILABLE
+            yield EngineErrorMessage(503, kind, f"the model replica failed: {exc}")
+        except Exception as exc:
             logger.exception("request %s failed", request.request_id)
             yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")
 
@@ -131,10 +149,16 @@ class ModelServer:
         path = slot_files.checked_path(directory, filename or "")
         directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
+        # Slot files can be large: the engine writes and reads them off its step loop.
         if action == "save":
-            result = await self.engine.call("save_context", context_id, str(path))
+            quota = self.config.slot_save_quota_bytes
+            result = await self.engine.call(
+                "save_context", context_id, str(path), quota, timeout_s=SLOT_IO_TIMEOUT_S
+            )
         else:
-            result = await self.engine.call("restore_context", context_id, str(path))
+            result = await self.engine.call(
+                "restore_context", context_id, str(path), timeout_s=SLOT_IO_TIMEOUT_S
+            )
         ms = 1000 * (time.perf_counter() - started)
         return {
             "id_slot": slot_id,
@@ -162,7 +186,7 @@ class ModelServer:
         return stats
 
     def check_health(self) -> None:
-        self.engine.check_health()
+        self.engine.check_health(stalled_after_s=self.config.stall_timeout_s)
         ended, _ = ray.wait(self.shard_runs, timeout=0) if self.shard_runs else ([], None)
         if ended:  # a shard's loop only ends with its replica: the group is broken
             raise RuntimeError("a tensor-parallel shard of this replica has stopped")

@@ -13,7 +13,10 @@ Bounded state, so that no client can wedge a replica with contexts it abandons:
 - **Eviction.** An idle context is a cache, not a reservation: when running or waiting
   requests need blocks, the least recently used idle contexts give up their KV
   (`evict_kv`). They keep their tokens, and their next primitive recomputes them (blocks
-  that were not reused since are found again in the prefix cache).
+  that were not reused since are found again in the prefix cache). So does a busy context
+  whose primitive is still waiting (not yet admitted, or preempted): its sequence gives up
+  its references too. Else contexts whose primitives all wait could hold every block,
+  and nothing could ever run again.
 - **Limits.** At most `max_contexts` contexts and `max_tokens` tokens across them. Past
   either, the least recently used idle contexts are dropped; the next call that names a
   dropped one gets a 410 that says so (once: then the id is free again). If every
@@ -22,11 +25,11 @@ Bounded state, so that no client can wedge a replica with contexts it abandons:
   context took the id next.
 """
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from app.engine.block_manager import BlockManager
-from app.engine.sequence import Sequence
+from app.engine.sequence import Sequence, SequenceStatus
 from app.protocol.errors import (
     CapacityError,
     ConflictError,
@@ -45,8 +48,12 @@ MAX_TOMBSTONES = 4096  # dropped ids remembered for their 410
 class Context:
     context_id: str
     holder: Sequence  # parked, never scheduled: the context's tokens and block references
-    busy_with: str | None = None  # the request id of the primitive in flight
+    primitive: Sequence | None = None  # the primitive in flight
     created_by: str | None = None  # the first primitive, until it succeeds
+
+    @property
+    def busy_with(self) -> str | None:
+        return None if self.primitive is None else self.primitive.request_id
 
     @property
     def token_ids(self) -> list[int]:
@@ -121,7 +128,7 @@ class ContextStore:
         seq.num_computed_tokens = min(ctx.holder.num_computed_tokens, len(tokens) - 1)
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.context = op
-        ctx.busy_with = request_id
+        ctx.primitive = seq
         self.contexts.move_to_end(op.context_id)
         return seq
 
@@ -145,7 +152,7 @@ class ContextStore:
         holder.block_table, seq.block_table = seq.block_table, []
         holder.block_hashes, seq.block_hashes = seq.block_hashes, []
         holder.num_computed_tokens = min(seq.num_computed_tokens, len(holder.token_ids))
-        ctx.busy_with = ctx.created_by = None
+        ctx.primitive = ctx.created_by = None
         self.contexts.move_to_end(op.context_id)
 
     def release(self, seq: Sequence) -> None:
@@ -155,7 +162,7 @@ class ContextStore:
         ctx = self.contexts.get(seq.context.context_id)
         if ctx is None or ctx.busy_with != seq.request_id:
             return
-        ctx.busy_with = None
+        ctx.primitive = None
         if ctx.created_by == seq.request_id:
             self._remove(ctx)
 
@@ -188,21 +195,30 @@ class ContextStore:
         return held
 
     # ---- bounded state ---------------------------------------------------------------
-    def evict_kv(self, blocks_wanted: int) -> int:
-        """Give up the KV of idle contexts, least recently used first, until
-        `blocks_wanted` blocks are free; returns how many blocks it freed. Only contexts
+    def evict_kv(self, blocks_wanted: int, keep: Sequence | None = None) -> int:
+        """Give up the KV of contexts, least recently used first, until `blocks_wanted`
+        blocks are free; returns how many blocks it freed. Idle contexts, and busy ones
+        whose primitive waits (but not `keep`'s, the sequence asking for room): such a
+        primitive drops its references too and recomputes at admission. Only contexts
         holding blocks that no one else references are worth evicting."""
         bm = self.block_manager
         freed = 0
         for ctx in self.contexts.values():
             if bm.num_free_blocks >= blocks_wanted:
                 break
-            if ctx.busy_with is not None or not ctx.is_resident:
+            waiting = ctx.primitive
+            if waiting is not None and (
+                waiting.status is not SequenceStatus.WAITING or waiting is keep
+            ):
                 continue
-            if not any(bm.blocks[b].ref_count == 1 for b in ctx.holder.block_table):
-                continue
+            holders = [ctx.holder] if waiting is None else [ctx.holder, waiting]
+            refs = Counter(b for h in holders for b in h.block_table)
+            if not any(bm.blocks[b].ref_count == n for b, n in refs.items()):
+                continue  # every block is shared with someone else: nothing to free
             before = bm.num_free_blocks
-            bm.free(ctx.holder)  # its tokens stay: the next primitive recomputes them
+            for h in holders:
+                bm.free(h)  # tokens stay: the primitive recomputes them when admitted
+                h.num_cached_tokens = 0
             freed += bm.num_free_blocks - before
             self.num_evictions += 1
         return freed

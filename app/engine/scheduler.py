@@ -44,10 +44,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
-        reclaim: Callable[[int], int] = lambda blocks_wanted: 0,
+        reclaim: Callable[[int, Sequence], int] = lambda blocks_wanted, seq: 0,
     ) -> None:
-        """`reclaim(n)` frees KV held by idle contexts until `n` blocks are free and
-        returns how many it freed."""
+        """`reclaim(n, seq)` frees KV held by persistent contexts (never `seq`'s, which
+        asks for the room) until `n` blocks are free, and returns how many it freed."""
         self.block_manager = block_manager
         self.reclaim = reclaim
         self.max_num_seqs = max_num_seqs
@@ -116,7 +116,7 @@ class Scheduler:
         `seq` itself had to go."""
         bm = self.block_manager
         while not bm.can_append(seq, n):
-            if self.reclaim(bm.blocks_to_append(seq, n)):
+            if self.reclaim(bm.blocks_to_append(seq, n), seq):
                 continue
             victim = next((s for s in reversed(self.running) if s not in batch.seqs), None)
             if victim is None or victim is seq:
@@ -137,7 +137,7 @@ class Scheduler:
                 bm.allocate_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_append(seq, n):
-                self.reclaim(bm.blocks_to_append(seq, n))
+                self.reclaim(bm.blocks_to_append(seq, n), seq)
             if not bm.can_append(seq, n):
                 bm.free(seq)  # give back the prefix hits; try again next step
                 break

@@ -1,33 +1,91 @@
-"""OpenAI request schemas and their mapping onto neutral SamplingParams."""
+"""OpenAI request schemas and their mapping onto neutral SamplingParams.
 
-from typing import Any, Literal
+Strict, as OpenAI is: an unknown field is a 400 that names it ("Unrecognized request
+argument supplied"), and a field of OpenAI's API that this server does not honour yet
+(tools, response_format, ...) is a 400 that says so, rather than a 200 that silently
+ignores it. Such a field is accepted only with a value that asks for nothing (`tools: []`,
+`response_format: {"type": "text"}`). vLLM's sampling extensions that are honoured are
+accepted too. Ranges are OpenAI's (temperature 0-2, ...).
+"""
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import SamplingParams
+from app.protocol.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS, SamplingParams
 from app.protocol.sampling import sampling_params as build_sampling_params
+from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+
+# Fields of OpenAI's (or vLLM's) API that a later feature will honour; until then a request
+# that uses one gets a 400 naming it. The value that asks for nothing is accepted.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "dimensions": (None,),
+}
+NOT_SUPPORTED = "is not supported by this server"
+
+StopList = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+
+
+def drop_inert_fields(data: Any) -> Any:
+    """Remove unsupported fields whose value asks for nothing; refuse the others."""
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        inert = UNSUPPORTED_FIELDS.get(key)
+        if inert is None:
+            kept[key] = value
+        elif not any(value == v and type(value) is type(v) for v in inert):
+            raise InvalidRequestError(f"{key} {NOT_SUPPORTED}", param=key)
+    return kept
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | StopList | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # Extensions that vLLM accepts too (pass them with the SDK's `extra_body`).
     top_k: int | None = None
@@ -35,12 +93,16 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+
+    _inert = model_validator(mode="before")(drop_inert_fields)
 
     @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return check_stop_strings(stops, "stop")
 
 
 class CompletionRequest(_Common):
@@ -50,16 +112,30 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # image parts and the like: refused by type
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = None
+    # An earlier turn's tool call, and a tool's answer: refused until tools are served.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> "ChatMessage":
+        for key in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(self, key):
+                raise InvalidRequestError(f"messages[].{key} {NOT_SUPPORTED}", param="messages")
+        if self.role == "tool":
+            raise InvalidRequestError(f"messages with role 'tool' {NOT_SUPPORTED}", "messages")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -84,15 +160,21 @@ class ChatCompletionRequest(_Common):
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            message = {"role": role, "content": m.text()}
+            if m.name:
+                message["name"] = m.name
+            out.append(message)
         return out
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     model: str
     input: str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+    _inert = model_validator(mode="before")(drop_inert_fields)
 
 
 def sampling_params(
@@ -126,6 +208,7 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
     )
     names = {}
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:

@@ -1,22 +1,14 @@
 """Parrot's primitive requests (Fill / Generate on contexts) and their sampling config."""
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Annotated
 
-from app.protocol.sampling import SamplingParams, sampling_params
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-# Ids are ints in Parrot; strings are accepted too. Either way: no empty or huge values.
-ContextId = int | str
+from app.protocol.sampling import MAX_SEED, SamplingParams, sampling_params
+from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 
-
-def _check_id(value: ContextId | None, name: str) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
-        raise ValueError(f"{name} must be a non-negative integer or a string")
-    text = str(value)
-    if not text or len(text) > 128 or not text.isprintable():
-        raise ValueError(f"{name} must be 1-128 printable characters")
-    return text
+# Parrot types every id as an integer: a string (even "7") is a 400, as are negative ones.
+ContextId = Annotated[StrictInt, Field(ge=0, le=MAX_SEED)]
 
 
 class Primitive(BaseModel):
@@ -30,8 +22,6 @@ class Primitive(BaseModel):
 
     @model_validator(mode="after")
     def _ids(self) -> "Primitive":
-        for name in ("session_id", "task_id", "context_id", "parent_context_id"):
-            _check_id(getattr(self, name), name)
         if self.parent_context_id is not None and str(self.parent_context_id) == str(
             self.context_id
         ):
@@ -71,7 +61,7 @@ class SamplingConfig(BaseModel):
     max_gen_length: int = 128
     ignore_tokenizer_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
-    stop_str: list[str] | str | None = None
+    stop_str: list[str] | str | None = Field(None, max_length=MAX_STOP_STRINGS)
     seed: int | None = None
 
     def params(self) -> SamplingParams:
@@ -91,7 +81,8 @@ class SamplingConfig(BaseModel):
     def stop_strings(self) -> list[str]:
         if self.stop_str is None:
             return []
-        return [self.stop_str] if isinstance(self.stop_str, str) else list(self.stop_str)
+        stops = [self.stop_str] if isinstance(self.stop_str, str) else list(self.stop_str)
+        return check_stop_strings(stops, "sampling_config.stop_str")
 
 
 class GenerateRequest(Primitive):
@@ -103,8 +94,3 @@ class FreeContextRequest(BaseModel):
 
     context_id: ContextId
     model: str | None = None
-
-    @model_validator(mode="after")
-    def _ids(self) -> "FreeContextRequest":
-        _check_id(self.context_id, "context_id")
-        return self

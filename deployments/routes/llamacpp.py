@@ -10,13 +10,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.messages import ContextOp, Primitive
 from app.protocol.sampling import SamplingParams, sampling_params
+from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.errors import openai_error, unwrap
 from deployments.generation import Generation, StreamError
 from deployments.model_server import slot_context
@@ -56,7 +57,7 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int = -1
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     stream: bool = False
     cache_prompt: bool = True
@@ -98,15 +99,29 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health(include_slots: bool = False, fail_on_no_slot: bool = False):  # noqa: ANN202
+    async def health(  # noqa: ANN202
+        request: Request, include_slots: bool = False, fail_on_no_slot: bool = False
+    ):
+        """llama.cpp's health: status and slot counts for anyone; each slot's detail (its
+        request and sampling settings) only with a key, when keys are set. 503 while a
+        model has no live replica."""
         ingress = get_ingress()
-        body: dict[str, Any] = {"status": "ok"}
-        if not (include_slots or fail_on_no_slot):
-            return body  # liveness only: no replica round trip
-        slots = await _all_slots(ingress)
-        idle = sum(1 for s in slots if not s["is_processing"])
-        body.update(slots_idle=idle, slots_processing=len(slots) - idle)
-        if include_slots:
+        detail = include_slots and request.scope.get("state", {}).get("authenticated", True)
+        if detail or ingress.registry is None:
+            slots = await _all_slots(ingress)
+            idle = sum(1 for s in slots if not s["is_processing"])
+            busy = len(slots) - idle
+        else:
+            idle, busy, missing = await _slot_counts(ingress)
+            if missing:
+                return openai_error(
+                    503,
+                    f"Loading model: {', '.join(missing)} has no replica ready yet",
+                    error_type="unavailable_error",
+                    code="loading_model",
+                )
+        body: dict[str, Any] = {"status": "ok", "slots_idle": idle, "slots_processing": busy}
+        if detail:
             body["slots"] = slots
         if idle == 0:
             body["status"] = "no slot available"
@@ -222,7 +237,11 @@ def fim_prompt(
 async def _complete(ingress: Any, name: str, req: CompletionRequest, ids: list[int]):  # noqa: ANN202
     if not ids:
         raise InvalidRequestError("prompt must not be empty", "prompt")
+    slots = ingress.config.model(name).engine.max_num_seqs
+    if not -1 <= req.id_slot < slots:
+        raise InvalidRequestError(f"id_slot must be -1 (any) or in [0, {slots})", "id_slot")
     params = req.params(ingress.config.max_tokens_default)
+    stop = check_stop_strings(req.stop, "stop")
     context, new_ids = None, ids
     if req.id_slot >= 0 and req.cache_prompt:
         # The slot keeps its tokens and KV (a context): a prompt that extends them
@@ -243,7 +262,7 @@ async def _complete(ingress: Any, name: str, req: CompletionRequest, ids: list[i
         ingress.tokenizers[name],
         new_ids,
         params,
-        req.stop,
+        stop,
         f"llamacpp-{uuid.uuid4().hex}",
         context=context,
         detok_prefix=ids,
@@ -293,6 +312,24 @@ async def _complete(ingress: Any, name: str, req: CompletionRequest, ids: list[i
             gen.cancel()
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _slot_counts(ingress: Any) -> tuple[int, int, list[str]]:
+    """(idle, processing, models with no live replica), from the replicas' heartbeats:
+    no call waits behind a busy model's requests."""
+    engines = await ingress.registry.list.remote()
+    idle = busy = 0
+    missing = []
+    for model in ingress.config.models:
+        live = [e for e in engines if e["engine_name"] == model.name and e["runtime_info"]]
+        if not live:
+            missing.append(model.name)
+        for e in live:
+            info = e["runtime_info"]
+            taken = min(info["num_running"] + info["num_waiting"], model.engine.max_num_seqs)
+            busy += taken
+            idle += model.engine.max_num_seqs - taken
+    return idle, busy, missing
 
 
 async def _all_slots(ingress: Any) -> list[dict]:

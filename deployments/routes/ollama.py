@@ -6,7 +6,6 @@ nanoseconds, as Ollama reports them.
 """
 
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -17,7 +16,9 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
-from app.protocol.sampling import SamplingParams, sampling_params
+from app.protocol.sampling import MAX_SEED, SamplingParams, sampling_params
+from app.text.go_template import MAX_TEMPLATE_BYTES, TemplateError, render
+from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.generation import Generation, StreamError
 from deployments.routes.openai import start_generation
 
@@ -34,8 +35,8 @@ class Options(BaseModel):
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | str | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: list[str] | str | None = Field(None, max_length=MAX_STOP_STRINGS)
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -50,23 +51,30 @@ class _Common(BaseModel):
     options: Options = Field(default_factory=Options)
     keep_alive: str | int | float | None = None
 
+    think: bool | str | None = None  # reasoning output: not served yet
+
 
 class GenerateRequest(_Common):
     prompt: str = ""
     system: str | None = None
-    template: str | None = None
+    template: str | None = Field(None, max_length=MAX_TEMPLATE_BYTES)
     raw: bool = False
     context: list[int] | None = None
+    images: list[str] | None = None  # not served: refused when given
+    suffix: str | None = None  # not served: refused when given
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    images: list[str] | None = None  # not served: refused when given
+    tool_calls: list[dict[str, Any]] | None = None  # not served: refused when given
 
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # not served: refused when given
 
 
 class EmbedRequest(BaseModel):
@@ -102,22 +110,35 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
     @router.get("/api/tags")
     async def tags() -> dict:
         ingress = get_ingress()
-        return {"models": [_model_entry(ingress, m.name) for m in ingress.config.models]}
+        names = [m.name for m in ingress.config.models] + _embedding_models(ingress)
+        return {"models": [_model_entry(ingress, name) for name in names]}
 
     @router.get("/api/ps")
     async def ps() -> dict:
         ingress = get_ingress()
+        names = [m.name for m in ingress.config.models] + _embedding_models(ingress)
         return {
             "models": [
-                {**_model_entry(ingress, m.name), "expires_at": "2262-04-11T23:47:16Z"}
-                for m in ingress.config.models
+                {**_model_entry(ingress, name), "expires_at": "2262-04-11T23:47:16Z"}
+                for name in names
             ]
         }
 
     @router.post("/api/show")
     async def show(req: ShowRequest) -> dict:
         ingress = get_ingress()
-        name = _model_name(ingress, req.model or req.name or "")
+        asked = req.model or req.name or ""
+        if asked.removesuffix(":latest") in _embedding_models(ingress):
+            entry = _model_entry(ingress, asked.removesuffix(":latest"))
+            return {
+                "modelfile": "",
+                "parameters": "",
+                "template": "",
+                "details": entry["details"],
+                "model_info": {"general.architecture": "bert"},
+                "capabilities": ["embedding"],
+            }
+        name = _model_name(ingress, asked)
         cfg = ingress.config.model(name)
         info = await ingress.model_calls[name].info.remote()
         tokenizer = ingress.tokenizers[name]
@@ -135,7 +156,9 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
     @router.post("/api/generate")
     async def generate(req: GenerateRequest, request: Request):  # noqa: ANN202
         ingress = get_ingress()
-        name = _model_name(ingress, req.model)
+        name = _model_name(ingress, req.model, "generate")
+        if req.images or req.suffix:
+            raise InvalidRequestError("images and suffix are not supported by this server")
         params, stop = await _params(ingress, name, req)
         started = time.perf_counter()
         if req.raw or req.template:
@@ -164,9 +187,13 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
     @router.post("/api/chat")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
         ingress = get_ingress()
-        name = _model_name(ingress, req.model)
+        name = _model_name(ingress, req.model, "chat")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
+        if req.tools or any(m.images or m.tool_calls for m in req.messages):
+            raise InvalidRequestError(
+                "tools, tool calls and images are not supported by this server", "tools"
+            )
         params, stop = await _params(ingress, name, req)
         started = time.perf_counter()
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
@@ -216,16 +243,29 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
 
 
 # ---- helpers -----------------------------------------------------------------------------
-def _model_name(ingress: Any, name: str) -> str:
-    """Ollama names carry a tag; ':latest' is the one every served model has."""
+def _model_name(ingress: Any, name: str, action: str = "generate") -> str:
+    """Ollama names carry a tag; ':latest' is the one every served model has. The
+    embedding model is listed too, but only embeds."""
     base = name.removesuffix(":latest")
+    if base in _embedding_models(ingress):
+        raise InvalidRequestError(f'"{name}" does not support {action}', param="model")
     if ingress.config.model(base) is None:
         raise NotFoundError(f"model '{name}' not found", param="model")
     return base
 
 
+def _embedding_models(ingress: Any) -> list[str]:
+    return [ingress.config.embeddings.name] if ingress.embedder is not None else []
+
+
 def _model_entry(ingress: Any, name: str) -> dict:
     cfg = ingress.config.model(name)
+    if cfg is None:  # the embedding model
+        family, fmt, level = "bert", "safetensors", "F32"
+    else:
+        family = "llama"
+        fmt = "gguf" if cfg.engine.model in ("default",) else "safetensors"
+        level = str(cfg.engine.dtype)
     return {
         "name": f"{name}:latest",
         "model": f"{name}:latest",
@@ -233,16 +273,20 @@ def _model_entry(ingress: Any, name: str) -> dict:
         "size": 0,
         "digest": "",
         "details": {
-            "format": "gguf" if cfg.engine.model in ("default",) else "safetensors",
-            "family": "llama",
-            "families": ["llama"],
+            "format": fmt,
+            "family": family,
+            "families": [family],
             "parameter_size": "",
-            "quantization_level": str(cfg.engine.dtype),
+            "quantization_level": level,
         },
     }
 
 
 async def _params(ingress: Any, name: str, req: _Common) -> tuple[SamplingParams, list[str]]:
+    if req.think:
+        raise InvalidRequestError(
+            "think (reasoning output) is not supported by this server", "think"
+        )
     if req.format is not None:
         raise InvalidRequestError(
             "format (JSON-constrained output) is not supported yet: Shoal cannot guarantee "
@@ -273,19 +317,19 @@ async def _params(ingress: Any, name: str, req: _Common) -> tuple[SamplingParams
     }
     names = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
     params = sampling_params(fields, names, prefix="options.")
-    stop = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
+    stop = check_stop_strings(
+        [o.stop] if isinstance(o.stop, str) else list(o.stop or []), "options.stop"
+    )
     return params, stop
 
 
-_IF_BLOCK = re.compile(r"{{-?\s*(if|end|else)[^}]*-?}}")
-
-
 def _render(template: str | None, system: str | None, prompt: str) -> str:
-    """The simple Ollama templates: {{ .System }} and {{ .Prompt }}, `if` blocks dropped."""
-    text = template or "{{ .Prompt }}"
-    text = _IF_BLOCK.sub("", text)
-    text = re.sub(r"{{-?\s*\.System\s*-?}}", system or "", text)
-    return re.sub(r"{{-?\s*\.Prompt\s*-?}}", prompt, text)
+    """An Ollama template ({{ .System }}, {{ .Prompt }}, if/else/end); user text is only
+    ever inserted, never read as template or as a regex replacement."""
+    try:
+        return render(template or "{{ .Prompt }}", {"System": system or "", "Prompt": prompt})
+    except TemplateError as exc:
+        raise InvalidRequestError(f"template: {exc}", "template") from None
 
 
 def _done(gen: Generation, prompt_ids: list[int], started: float) -> dict:
@@ -331,10 +375,19 @@ async def _respond(gen: Generation, stream: bool, piece, final, whole):  # noqa:
 
 async def _embed(ingress: Any, model: str, texts: list[str]) -> tuple[list, int]:
     name = model.removesuffix(":latest")
-    if ingress.embedder is None or name != ingress.config.embeddings.name:
+    if name not in _embedding_models(ingress):
+        if ingress.config.model(name) is not None:
+            served = ", ".join(_embedding_models(ingress)) or "none"
+            raise InvalidRequestError(
+                f"model '{model}' generates text and cannot embed; embedding models: {served}",
+                param="model",
+            )
         raise NotFoundError(f"model '{model}' not found", param="model")
     if not texts or any(not t for t in texts):
         raise InvalidRequestError("input must be a non-empty string or list of strings")
+    limit = ingress.config.embeddings.max_batch_inputs
+    if len(texts) > limit:
+        raise InvalidRequestError(f"input has {len(texts)} texts; at most {limit}", "input")
     return await ingress.embedder.embed.remote(texts)
 
 

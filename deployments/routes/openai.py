@@ -1,5 +1,6 @@
 """OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings."""
 
+import asyncio
 import base64
 import json
 import struct
@@ -20,6 +21,8 @@ from app.protocol.openai import (
 from deployments.errors import openai_error
 from deployments.generation import Generation, StreamError, TextDelta
 from deployments.metrics import TokenTimer
+
+MAX_PROMPTS = 128  # prompts in one /v1/completions request, generated together
 
 
 def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
@@ -51,13 +54,9 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
         if len(prompts) != 1:
             if req.stream:
                 raise InvalidRequestError("streaming supports one prompt per request", "prompt")
+            gens = await _run_all(ingress, req, prompts, params, request)
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-            for i, ids in enumerate(prompts):
-                gen = await start_generation(
-                    ingress, req.model, ids, params, req.stop_strings, request, i
-                )
-                async for _ in gen.deltas():
-                    pass
+            for i, (ids, gen) in enumerate(zip(prompts, gens, strict=True)):
                 for out in gen.outputs:
                     choices.append(
                         _completion_choice(ingress, req, gen, out, i * req.n + out.index)
@@ -156,12 +155,43 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
     return router
 
 
+async def _run_all(
+    ingress: Any, req: CompletionRequest, prompts: list[list[int]], params, request: Request
+) -> list[Generation]:  # noqa: ANN001
+    """Several prompts, generated together by the engine. They are started one after the
+    other: Serve gives every handle call made while serving one HTTP request that
+    request's internal id, and its router cannot tell two such calls apart while both
+    wait to be routed (one would never be sent). If one fails, the others are cancelled
+    and its error is the answer."""
+    gens: list[Generation] = []
+    try:
+        for i, ids in enumerate(prompts):
+            gens.append(
+                await start_generation(
+                    ingress, req.model, ids, params, req.stop_strings, request, i
+                )
+            )
+        await asyncio.gather(*(_drain(gen) for gen in gens))
+    except BaseException:
+        for gen in gens:
+            gen.cancel()
+        raise
+    return gens
+
+
+async def _drain(gen: Generation) -> None:
+    async for _ in gen.deltas():
+        pass
+
+
 async def _prompts(ingress: Any, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str):
         return [await ingress.tokenizer.encode.remote(req.model, p)]
     if not p:
         raise InvalidRequestError("prompt must not be empty", "prompt")
+    if not all(isinstance(x, int) for x in p) and len(p) > MAX_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", "prompt")
     if all(isinstance(x, int) for x in p):
         return [list(p)]
     if all(isinstance(x, str) for x in p):

@@ -289,3 +289,28 @@ def test_slot_files_are_bounded(engine, tmp_path, monkeypatch):
     monkeypatch.setattr(slot_files, "torch_version", lambda: (2, 5))
     with pytest.raises(NotImplementedByServerError, match="CVE-2025-32434"):
         engine.restore_context("x", str(path))
+
+
+def test_contexts_whose_primitives_all_wait_cannot_hold_every_block(tiny_llama):
+    """Three contexts fill the cache, then a Generate on each arrives at once: before the
+    waiting primitives could give up their contexts' KV, they held every block and none
+    could ever run."""
+    engine = tiny_engine(tiny_llama, num_kv_blocks=16, block_size=4)  # 64 tokens of KV
+    prompts = {c: [10 + 20 * i + t for t in range(18)] for i, c in enumerate("abc")}
+    for c, tokens in prompts.items():
+        run(engine, f"f{c}", fill(c), tokens)
+    assert engine.block_manager.stats().free <= 1
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for c in prompts:
+        engine.add_context_request(f"g{c}", gen(c), [], params)
+    out: dict[str, list[int]] = {c: [] for c in prompts}
+    for _ in range(300):
+        if not engine.has_work:
+            break
+        for d in engine.step():
+            out[d.request_id[1:]] += d.token_ids
+    assert not engine.has_work, "the primitives never ran"
+    fresh = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+    for c, tokens in prompts.items():
+        assert out[c] == list(fresh.generate([tokens], params)[0].outputs[0].token_ids)
+        assert engine.context_tokens(c) == tokens + out[c]

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -103,5 +104,45 @@ def test_killed_engine_ends_streams_and_fails_health(tiny_llama):
         asyncio.run(asyncio.wait_for(main(), 30))
         with pytest.raises(EngineDeadError, match="exited"):
             proc.check_health()
+    finally:
+        proc.shutdown()
+
+
+def test_slot_files_are_written_off_the_step_loop(tmp_path):
+    """Saving a long context (SmolLM2, 6000 tokens: over 100 MB of KV) runs beside the step
+    loop: a stream on the same engine keeps getting tokens while the file is written."""
+    from app.protocol.messages import ContextOp, Primitive
+
+    proc = EngineProcess(EngineConfig(kv_cache_memory_gib=0.5, num_threads=1))
+    try:
+
+        async def main() -> tuple[int, float, int]:
+            ids = [100 + (i * 7919) % 40000 for i in range(6000)]
+            fill = ContextOp("big", Primitive.FILL)
+            async for _ in proc.generate("fill", ids, SamplingParams(max_tokens=1), fill):
+                pass
+            params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+            stream = proc.generate("stream", [1, 2, 3], params)
+            await anext(stream)
+            arrivals: list[float] = []
+
+            async def consume() -> None:
+                async for _ in stream:
+                    arrivals.append(time.monotonic())
+
+            consumer = asyncio.create_task(consume())
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            saved = await proc.call("save_context", "big", str(tmp_path / "big.bin"), None)
+            ended = time.monotonic()
+            consumer.cancel()
+            during = sum(1 for t in arrivals if started < t < ended)
+            return during, ended - started, saved["n_written"]
+
+        during, seconds, size = asyncio.run(main())
+        print(f"save of {size / 1e6:.0f} MB took {seconds:.2f} s; {during} deltas meanwhile")
+        assert size > 100e6
+        assert during >= 2, "the step loop waited for the file"
+        proc.check_health()
     finally:
         proc.shutdown()

@@ -40,8 +40,10 @@ def serve_app(slot_dir):
         secured = AppConfig.model_validate(
             {
                 "api_keys": ["sk-test-1", "sk-test-2"],
+                "cors_origins": ["https://app.example"],
                 "embeddings": {"enabled": False},
                 "max_request_bytes": 4096,
+                "request_timeout_s": 8,
                 # Tight limits so that the overload test can fill them.
                 "models": [
                     {

@@ -35,7 +35,7 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 def test_every_primitive_reaches_the_holder(pair_url):
     greedy = {"temperature": 0, "max_gen_length": 4}
-    contexts = [f"ctx-{i}" for i in range(8)]
+    contexts = [5000 + i for i in range(8)]  # Parrot ids are integers
     for i, cid in enumerate(contexts):
         r = post(
             pair_url,
@@ -50,7 +50,7 @@ def test_every_primitive_reaches_the_holder(pair_url):
             assert r.status_code == 200, r.text
             r = post(pair_url, "/fill", {**ids, "text": " and more"})
             assert r.status_code == 200, r.text
-    children = [f"child-{i}" for i in range(4)]
+    children = [6000 + i for i in range(4)]
     for i, name in enumerate(children):  # a new child is made where its parent lives
         child = {"session_id": 1, "task_id": 900 + i, "context_id": name}
         child["parent_context_id"] = contexts[i]
@@ -101,3 +101,65 @@ def test_shared_prefixes_reach_the_replica_that_cached_them(pair_url):
         assert prompt_tokens[topic] > 100
         # The system prompt is over 90 tokens: every repeat finds at least that much cached.
         assert all(h >= 80 for h in hits[1:]), (topic, hits)
+
+
+def contexts_held(pair_url: str) -> dict[str, int]:
+    handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="pair")
+    held: dict[str, int] = {}
+    for _ in range(30):
+        stats = handle.stats.remote().result(timeout_s=30)
+        held[stats["replica"]] = stats["num_contexts"]
+    return held
+
+
+def test_concurrent_calls_creating_one_context_create_it_once(pair_url):
+    """The pin is taken when the first call is routed, before it is sent: the others follow
+    it (and wait for, or are refused by, the busy context) instead of creating a second
+    copy on the other replica, where it would leak."""
+    import asyncio
+
+    before = sum(contexts_held(pair_url).values())
+    new = [7000 + k for k in range(6)]
+
+    async def fill(client: httpx.AsyncClient, cid: int, task: int) -> int:
+        body = {"session_id": 3, "task_id": task, "context_id": cid, "text": "Same time"}
+        return (await client.post(f"{pair_url}/fill", json=body)).status_code
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(fill(client, c, j) for c in new for j in range(6)))
+
+    statuses = asyncio.run(burst())
+    assert set(statuses) <= {200, 409}, statuses
+    held = contexts_held(pair_url)
+    assert sum(held.values()) - before == len(new), held
+    for cid in new:
+        assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
+
+
+def test_a_replica_whose_engine_died_gets_no_more_traffic(pair_url):
+    """It leaves at once (rather than failing three health checks while answering every
+    request with an error), and requests that had not started go to the other replica."""
+    import asyncio
+    import os
+    import signal
+
+    handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="pair")
+    pids: dict[str, int] = {}
+    for _ in range(30):
+        stats = handle.stats.remote().result(timeout_s=30)
+        pids[stats["replica"]] = stats["engine_pid"]
+    assert len(pids) == 2
+    os.kill(next(iter(pids.values())), signal.SIGKILL)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        await asyncio.sleep(0.05 * i)
+        return (await client.post(f"{pair_url}/v1/chat/completions", json=body)).status_code
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(30)))
+
+    statuses = asyncio.run(burst())
+    assert statuses == [200] * 30, statuses

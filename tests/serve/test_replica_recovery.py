@@ -44,12 +44,14 @@ def test_killed_engine_gives_error_event_and_replica_comes_back(base_url):
     assert error["type"] and "engine" in error["message"]
     assert not any(e.startswith('{"error"') for e in events[:-2])
 
-    deadline = time.time() + 120  # three failed health checks (5 s apart) plus a restart
+    # The replica leaves at once and Serve starts another. Meanwhile a request waits for it
+    # (the secured app's request_timeout_s is 8 s: then a 408) or is refused (503).
+    deadline = time.time() + 120
     while time.time() < deadline:
         r = httpx.post(base_url + URL, json={**BODY, "max_tokens": 4}, headers=HEADERS, timeout=60)
         if r.status_code == 200:
             break
-        assert r.status_code == 503 and "error" in r.json()  # never a 500 or a hang
+        assert r.status_code in (408, 503) and "error" in r.json()  # never a 500 or a hang
         time.sleep(1)
     assert r.status_code == 200, r.text
     assert engine_pid() != victim

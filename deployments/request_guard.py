@@ -1,0 +1,207 @@
+"""RequestGuard: the ingress's outer ASGI layer (inside CORS): keys, body size, client
+disconnects and a deadline, the same for every route and whatever the client asks.
+
+- **Keys.** With `api_keys` set, every path but `/health` needs a bearer key. `/health`
+  answers anyone; `scope["state"]["authenticated"]` tells it whether to add slot detail.
+- **Body size.** The body is read here, before any route, and refused with 413 once past
+  `max_request_bytes`, whether the client declared a Content-Length or streamed it in
+  chunks. The route then reads the buffered body.
+- **Disconnects.** After the body, this layer owns the client's receive channel: when the
+  client goes, the route's task is cancelled, so its generation is aborted at every hop.
+  Serve's proxy does the same unless a client sends `x-request-disconnect-disabled: ?1`;
+  this layer does it regardless.
+- **Deadline.** A request still running after `request_timeout_s` is cancelled: a 408 if
+  nothing was sent yet, else its body is ended. A client's `x-request-timeout-seconds`
+  can shorten Serve's own timeout but never lift this one.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from app.config import AppConfig
+
+logger = logging.getLogger("ray.serve")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+# (scope, status, seconds) after each request, for metrics and the access log.
+Observer = Callable[[Scope, int, float], None]
+
+PUBLIC_PATHS = ("/health",)
+
+
+def relative_path(scope: Scope) -> str:
+    """The path below the application's route prefix."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def error_body(path: str, status: int, message: str, code: str | None = None) -> bytes:
+    """An error in the shape of the dialect that owns `path` (Ollama's is plain)."""
+    if path.startswith("/api/"):
+        return json.dumps({"error": message}).encode()
+    kinds = {401: "authentication_error", 408: "timeout_error", 413: "invalid_request_error"}
+    error = {"message": message, "type": kinds.get(status, "invalid_request_error")}
+    return json.dumps({"error": {**error, "param": None, "code": code}}).encode()
+
+
+class RequestGuard:
+    def __init__(self, app: Any, config: AppConfig, observe: Observer | None = None) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in config.api_keys]
+        self.max_bytes = config.max_request_bytes
+        self.timeout_s = config.request_timeout_s
+        self.observe = observe
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 0}
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, observed_send)
+        finally:
+            if self.observe is not None:
+                with contextlib.suppress(Exception):
+                    self.observe(scope, status["code"], time.perf_counter() - started)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = relative_path(scope)
+        authenticated = self._authenticated(scope)
+        scope.setdefault("state", {})["authenticated"] = authenticated
+        if not authenticated and path not in PUBLIC_PATHS:
+            await _reply(
+                send, 401, error_body(path, 401, "Invalid or missing API key", "invalid_api_key")
+            )
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._too_large(send, path)
+            return
+        try:
+            body = await _read_body(receive, self.max_bytes)
+        except _ClientGone:
+            return
+        if body is None:
+            await self._too_large(send, path)
+            return
+        await self._run(scope, receive, send, body, path)
+
+    async def _run(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, path: str
+    ) -> None:
+        gone = asyncio.Event()
+        sent = {"body": False, "started": False, "ended": False}
+
+        async def app_receive() -> Message:
+            if not sent["body"]:
+                sent["body"] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def app_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["ended"] = True
+            await send(message)
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        app = asyncio.ensure_future(self.app(scope, app_receive, app_send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait(
+                {app, watcher}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if app in done:
+                app.result()
+                return
+            timed_out = watcher not in done
+            app.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await app
+            if not timed_out:
+                return  # the client is gone: nothing to send
+            logger.warning("%s: cancelled after request_timeout_s=%s", path, self.timeout_s)
+            if not sent["started"]:
+                message = (
+                    f"the request took longer than this server's limit of {self.timeout_s:g} s"
+                )
+                await _reply(send, 408, error_body(path, 408, message, "request_timeout"))
+            elif not sent["ended"]:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            for task in (app, watcher):
+                task.cancel()
+
+    def _authenticated(self, scope: Scope) -> bool:
+        if not self.keys:
+            return True
+        auth = (_header(scope, b"authorization") or "").strip()
+        token = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+        return any(hmac.compare_digest(token, k) for k in self.keys)
+
+    async def _too_large(self, send: Send, path: str) -> None:
+        message = f"request body over {self.max_bytes} bytes"
+        await _reply(send, 413, error_body(path, 413, message, "request_too_large"))
+
+
+class _ClientGone(Exception):
+    """The client left before it had sent its whole body."""
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None once it passes `limit` bytes (the rest is never read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _reply(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
