@@ -133,6 +133,9 @@ class AppConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     cors_origins: list[str] = Field(default_factory=list, description="Empty: CORS off.")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
+    request_body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body must arrive within this long (else 408)."
+    )
     request_timeout_s: float | None = Field(
         900.0,
         gt=0,

@@ -102,7 +102,7 @@ def hostile_requests(rng: random.Random, round_no: int) -> list[tuple[str, str, 
     ids = {"session_id": 1, "task_id": round_no}
     many_stops = [f"s{i}" for i in range(65)]
 
-    def chunked():
+    async def chunked():
         yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
         for _ in range(3000):
             yield b"x" * 1000

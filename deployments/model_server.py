@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.config import ModelDeploymentConfig
 from app.engine import slot_files
-from app.engine.async_engine import EngineDeadError
+from app.engine.async_engine import EngineDeadError, EngineUnavailableError
 from app.engine.engine_process import EngineProcess
 from app.engine.pacing import StreamPacer
 from app.protocol.errors import (
@@ -106,19 +106,18 @@ class ModelServer:
         logger.info(
             "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
-        started = False
         try:
             deltas = self.engine.generate(
                 request.request_id, request.prompt_token_ids, request.params, request.context
             )
             async for delta in self.pacer.pace(deltas):
-                started = True
                 yield delta
         except ShoalError as exc:
             yield EngineErrorMessage(exc.status_code, exc.error_type, exc.message, exc.param)
-        except EngineDeadError as exc:  # before its first token: the ingress sends it elsewhere
-            kind = "engine_error" if started else ENGINE_UNAVAILABLE
-            yield EngineErrorMessage(503, kind, f"the model replica failed: {exc}")
+        except EngineUnavailableError as exc:  # the engine never saw it: send it elsewhere
+            yield EngineErrorMessage(503, ENGINE_UNAVAILABLE, f"the model replica failed: {exc}")
+        except EngineDeadError as exc:  # it was inside the engine: maybe its cause, no retry
+            yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")
         except Exception as exc:
             logger.exception("request %s failed", request.request_id)
             yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")

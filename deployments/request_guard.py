@@ -5,7 +5,8 @@ disconnects and a deadline, the same for every route and whatever the client ask
   answers anyone; `scope["state"]["authenticated"]` tells it whether to add slot detail.
 - **Body size.** The body is read here, before any route, and refused with 413 once past
   `max_request_bytes`, whether the client declared a Content-Length or streamed it in
-  chunks. The route then reads the buffered body.
+  chunks, and with 408 if it has not all arrived after `request_body_timeout_s`. The
+  route then reads the buffered body.
 - **Disconnects.** After the body, this layer owns the client's receive channel: when the
   client goes, the route's task is cancelled, so its generation is aborted at every hop.
   Serve's proxy does the same unless a client sends `x-request-disconnect-disabled: ?1`;
@@ -59,6 +60,7 @@ class RequestGuard:
         self.keys = [k.encode() for k in config.api_keys]
         self.max_bytes = config.max_request_bytes
         self.timeout_s = config.request_timeout_s
+        self.body_timeout_s = config.request_body_timeout_s
         self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,6 +77,9 @@ class RequestGuard:
 
         try:
             await self._guarded(scope, receive, observed_send)
+        except Exception:
+            status["code"] = status["code"] or 500  # Starlette's outer layer answers it
+            raise
         finally:
             if self.observe is not None:
                 with contextlib.suppress(Exception):
@@ -94,8 +99,13 @@ class RequestGuard:
             await self._too_large(send, path)
             return
         try:
-            body = await _read_body(receive, self.max_bytes)
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await _read_body(receive, self.max_bytes)
         except _ClientGone:
+            return
+        except TimeoutError:  # a client trickling its body would hold a slot for ever
+            message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            await _reply(send, 408, error_body(path, 408, message, "request_timeout"))
             return
         if body is None:
             await self._too_large(send, path)
@@ -123,8 +133,11 @@ class RequestGuard:
             await send(message)
 
         async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception as exc:  # the channel broke: treat the client as gone
+                logger.warning("%s: receive failed: %r", path, exc)
             gone.set()
 
         app = asyncio.ensure_future(self.app(scope, app_receive, app_send))

@@ -26,6 +26,11 @@ class EngineDeadError(RuntimeError):
     """The step loop has stopped; the replica should be replaced."""
 
 
+class EngineUnavailableError(EngineDeadError):
+    """The engine was already dead when this request came: it never saw it, so it may be
+    sent to another replica (unlike one that was inside the engine when it died)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
@@ -61,7 +66,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
         if not self.is_alive:
-            raise EngineDeadError(f"engine loop is dead: {self._error!r}")
+            raise EngineUnavailableError(f"engine loop is dead: {self._error!r}")
         queue = self._streams.open(request_id)
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)

@@ -198,8 +198,8 @@ class ContextStore:
     def evict_kv(self, blocks_wanted: int, keep: Sequence | None = None) -> int:
         """Give up the KV of contexts, least recently used first, until `blocks_wanted`
         blocks are free; returns how many blocks it freed. Idle contexts, and busy ones
-        whose primitive waits (but not `keep`'s, the sequence asking for room): such a
-        primitive drops its references too and recomputes at admission. Only contexts
+        whose primitive waits: such a primitive drops its references too (unless it is
+        `keep`, the sequence asking for room) and recomputes at admission. Only contexts
         holding blocks that no one else references are worth evicting."""
         bm = self.block_manager
         freed = 0
@@ -207,11 +207,12 @@ class ContextStore:
             if bm.num_free_blocks >= blocks_wanted:
                 break
             waiting = ctx.primitive
-            if waiting is not None and (
-                waiting.status is not SequenceStatus.WAITING or waiting is keep
-            ):
+            if waiting is not None and waiting.status is not SequenceStatus.WAITING:
                 continue
-            holders = [ctx.holder] if waiting is None else [ctx.holder, waiting]
+            # `keep` keeps its own references, but its context's holder may let go of what
+            # only it holds (the partly filled last block): else a context nearly as large
+            # as the cache could never grow.
+            holders = [ctx.holder] if waiting in (None, keep) else [ctx.holder, waiting]
             refs = Counter(b for h in holders for b in h.block_table)
             if not any(bm.blocks[b].ref_count == n for b, n in refs.items()):
                 continue  # every block is shared with someone else: nothing to free

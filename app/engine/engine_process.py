@@ -34,10 +34,11 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from app.engine.async_engine import EngineDeadError
+from app.engine.async_engine import EngineDeadError, EngineUnavailableError
 from app.engine.config import EngineConfig
 from app.engine.streams import DeltaStreams
 from app.protocol.errors import RemoteError, ShoalError
@@ -149,12 +150,15 @@ class EngineProcess:
         """With `context`, a Fill or Generate on it: `prompt_token_ids` are the tokens it
         adds (see LLMEngine.add_context_request)."""
         if not self.is_alive:
-            raise EngineDeadError(self._death())
+            raise EngineUnavailableError(self._death())
         if not len(self._streams):
             self.last_message_at = time.monotonic()  # idle until now: not stuck
         queue = self._streams.open(request_id)
         try:
             self._send(("add", request_id, list(prompt_token_ids), params, context))
+        except EngineDeadError as exc:
+            self._streams.close(request_id, queue)
+            raise EngineUnavailableError(str(exc)) from exc
         except BaseException:
             self._streams.close(request_id, queue)
             raise
@@ -257,7 +261,8 @@ _CALLS = {
     "save_context": lambda engine, *args: engine.save_context(*args),
     "restore_context": lambda engine, context_id, path: engine.restore_context(context_id, path),
 }
-# File I/O: run in a thread, never on the step loop (the engine locks what it touches).
+# File I/O: run by one worker thread, never on the step loop (the engine locks what it
+# touches).
 _THREADED_CALLS = {"save_context", "restore_context"}
 
 
@@ -295,6 +300,9 @@ def _serve(conn: Connection) -> int:
         conn.send(("fatal", *_error_parts(exc)))
         return 1
     send_lock = threading.Lock()
+    # One at a time: each holds a copy of a context's KV, and the quota check of a save
+    # must see the file of the save before it.
+    slot_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-slot-io")
 
     def send(message: tuple) -> None:
         with send_lock:
@@ -334,9 +342,7 @@ def _serve(conn: Connection) -> int:
             elif kind == "call":
                 _, call_id, name, args = message
                 if name in _THREADED_CALLS:
-                    threading.Thread(
-                        target=run_call, args=(call_id, name, args), daemon=True
-                    ).start()
+                    slot_io.submit(run_call, call_id, name, args)
                 else:
                     run_call(call_id, name, args)
             elif kind == "stop":

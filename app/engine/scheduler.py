@@ -126,13 +126,22 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting requests in order while seats, blocks and budget last. A request
+        whose outputs need more seats than are free lets narrower ones behind it pass,
+        until `max_num_seqs` of them have: then the queue waits for seats to drain to it
+        (else a stream of small requests could keep a wide one out for ever)."""
         bm = self.block_manager
         # Outputs not yet forked take their seats from admission on.
         seats = len(self.running) + sum(s.pending_forks for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if seats + 1 + seq.pending_forks > self.max_num_seqs:
+        too_wide: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0:
                 break
+            if seats + 1 + seq.pending_forks > self.max_num_seqs:
+                if seq.passed_over >= self.max_num_seqs:
+                    break
+                too_wide.append(seq)
+                continue
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -141,10 +150,12 @@ class Scheduler:
             if not bm.can_append(seq, n):
                 bm.free(seq)  # give back the prefix hits; try again next step
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats += 1 + seq.pending_forks
+            for wide in too_wide:
+                wide.passed_over += 1
             self._add_to_batch(batch, seq, n)
             budget -= n
 

@@ -47,6 +47,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[TokenLogprob] = []
         self.pending_forks = params.n - 1 if index == 0 else 0
+        self.passed_over = 0  # admissions of later requests while this one had no seats
         self.generator: torch.Generator | None = None
         self.context = None  # a contexts.ContextOp when this request runs on a context
         if params.seed is not None:

@@ -46,11 +46,14 @@ class _Block:
     seen_else: bool = False
 
 
-def render(template: str, values: dict[str, str]) -> str:
-    """Renders `template` with `values` (field name -> text); raises TemplateError."""
+def render(template: str, values: dict[str, str], max_chars: int = 1 << 21) -> str:
+    """Renders `template` with `values` (field name -> text); raises TemplateError, also
+    when the result would pass `max_chars` (a field repeated many times would else turn
+    one small request into gigabytes)."""
     if len(template) > MAX_TEMPLATE_BYTES or len(template.encode()) > MAX_TEMPLATE_BYTES:
         raise TemplateError(f"the template is larger than {MAX_TEMPLATE_BYTES} bytes")
     parts: list[str] = []
+    size = 0
     blocks: list[_Block] = []
     emit = True  # whether the current position renders (all enclosing branches taken)
     pos = 0
@@ -77,7 +80,13 @@ def render(template: str, values: dict[str, str]) -> str:
         kind, field = _parse(inner, template, open_at, values)
         if kind == "field":
             if emit:
-                parts.append(values.get(field) or "")
+                value = values.get(field) or ""
+                size += len(value)
+                if size > max_chars:
+                    raise _error(
+                        template, open_at, f"the rendered prompt passes {max_chars} characters"
+                    )
+                parts.append(value)
         elif kind == "if":
             blocks.append(_Block(open_at, emit, _truthy(values, field)))
             emit = emit and blocks[-1].taken

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, ShoalError
@@ -21,6 +20,7 @@ from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.errors import openai_error, unwrap
 from deployments.generation import Generation, StreamError
 from deployments.model_server import slot_context
+from deployments.streaming import GenerationStream
 
 
 class TokenizeRequest(BaseModel):
@@ -311,7 +311,7 @@ async def _complete(ingress: Any, name: str, req: CompletionRequest, ids: list[i
         finally:
             gen.cancel()
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return GenerationStream(body(), gen, media_type="text/event-stream")
 
 
 async def _slot_counts(ingress: Any) -> tuple[int, int, list[str]]:

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
@@ -21,6 +21,7 @@ from app.text.go_template import MAX_TEMPLATE_BYTES, TemplateError, render
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.generation import Generation, StreamError
 from deployments.routes.openai import start_generation
+from deployments.streaming import GenerationStream
 
 OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
 
@@ -162,7 +163,10 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
         params, stop = await _params(ingress, name, req)
         started = time.perf_counter()
         if req.raw or req.template:
-            text = _render(req.template, req.system, req.prompt) if not req.raw else req.prompt
+            text = req.prompt
+            if not req.raw:
+                limit = ingress.config.max_request_bytes
+                text = _render(req.template, req.system, req.prompt, limit)
             ids = await ingress.tokenizer.encode.remote(name, text, False)
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
@@ -323,11 +327,13 @@ async def _params(ingress: Any, name: str, req: _Common) -> tuple[SamplingParams
     return params, stop
 
 
-def _render(template: str | None, system: str | None, prompt: str) -> str:
+def _render(template: str | None, system: str | None, prompt: str, max_chars: int) -> str:
     """An Ollama template ({{ .System }}, {{ .Prompt }}, if/else/end); user text is only
-    ever inserted, never read as template or as a regex replacement."""
+    ever inserted, never read as template or as a regex replacement, and the result is
+    no larger than a request may be."""
+    values = {"System": system or "", "Prompt": prompt}
     try:
-        return render(template or "{{ .Prompt }}", {"System": system or "", "Prompt": prompt})
+        return render(template or "{{ .Prompt }}", values, max_chars)
     except TemplateError as exc:
         raise InvalidRequestError(f"template: {exc}", "template") from None
 
@@ -370,7 +376,7 @@ async def _respond(gen: Generation, stream: bool, piece, final, whole):  # noqa:
         finally:
             gen.cancel()
 
-    return StreamingResponse(body(), media_type="application/x-ndjson")
+    return GenerationStream(body(), gen, media_type="application/x-ndjson")
 
 
 async def _embed(ingress: Any, model: str, texts: list[str]) -> tuple[list, int]:

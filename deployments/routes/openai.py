@@ -1,6 +1,5 @@
 """OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings."""
 
-import asyncio
 import base64
 import json
 import struct
@@ -9,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.openai import (
@@ -21,8 +19,9 @@ from app.protocol.openai import (
 from deployments.errors import openai_error
 from deployments.generation import Generation, StreamError, TextDelta
 from deployments.metrics import TokenTimer
+from deployments.streaming import GenerationStream
 
-MAX_PROMPTS = 128  # prompts in one /v1/completions request, generated together
+MAX_PROMPTS = 128  # prompts x n in one /v1/completions request, generated together
 
 
 def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
@@ -76,7 +75,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
             ingress, req.model, prompts[0], params, req.stop_strings, request
         )
         if req.stream:
-            return _sse(_completion_chunks(ingress, req, gen))
+            return _sse(_completion_chunks(ingress, req, gen), gen)
         async for _ in gen.deltas():
             pass
         return {
@@ -96,7 +95,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
         params = sampling_params(req, ingress.config.max_tokens_default, num_lp)
         gen = await start_generation(ingress, req.model, ids, params, req.stop_strings, request)
         if req.stream:
-            return _sse(_chat_chunks(ingress, req, gen))
+            return _sse(_chat_chunks(ingress, req, gen), gen)
         async for _ in gen.deltas():
             pass
         choices = []
@@ -158,30 +157,17 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
 async def _run_all(
     ingress: Any, req: CompletionRequest, prompts: list[list[int]], params, request: Request
 ) -> list[Generation]:  # noqa: ANN001
-    """Several prompts, generated together by the engine. They are started one after the
-    other: Serve gives every handle call made while serving one HTTP request that
-    request's internal id, and its router cannot tell two such calls apart while both
-    wait to be routed (one would never be sent). If one fails, the others are cancelled
-    and its error is the answer."""
-    gens: list[Generation] = []
-    try:
-        for i, ids in enumerate(prompts):
-            gens.append(
-                await start_generation(
-                    ingress, req.model, ids, params, req.stop_strings, request, i
-                )
-            )
-        await asyncio.gather(*(_drain(gen) for gen in gens))
-    except BaseException:
-        for gen in gens:
-            gen.cancel()
-        raise
+    """Several prompts, one after the other (each alone in its share of the batch, as a
+    request of its own would be). Not at once: Serve gives every handle call made while
+    serving one HTTP request that request's internal id, and its router cannot tell two
+    such calls apart while both wait to be routed (one would never be sent)."""
+    gens = []
+    for i, ids in enumerate(prompts):
+        gen = await start_generation(ingress, req.model, ids, params, req.stop_strings, request, i)
+        async for _ in gen.deltas():
+            pass
+        gens.append(gen)
     return gens
-
-
-async def _drain(gen: Generation) -> None:
-    async for _ in gen.deltas():
-        pass
 
 
 async def _prompts(ingress: Any, req: CompletionRequest) -> list[list[int]]:
@@ -190,8 +176,11 @@ async def _prompts(ingress: Any, req: CompletionRequest) -> list[list[int]]:
         return [await ingress.tokenizer.encode.remote(req.model, p)]
     if not p:
         raise InvalidRequestError("prompt must not be empty", "prompt")
-    if not all(isinstance(x, int) for x in p) and len(p) > MAX_PROMPTS:
-        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    if not all(isinstance(x, int) for x in p) and len(p) * req.n > MAX_PROMPTS:
+        raise InvalidRequestError(
+            f"{len(p)} prompts x n={req.n} outputs: at most {MAX_PROMPTS} in all per request",
+            "prompt",
+        )
     if all(isinstance(x, int) for x in p):
         return [list(p)]
     if all(isinstance(x, str) for x in p):
@@ -300,7 +289,7 @@ def _completion_choice(
     return choice
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], gen: Generation) -> GenerationStream:
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -317,8 +306,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             yield f"data: {json.dumps(err)}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
+    return GenerationStream(
         body(),
+        gen,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

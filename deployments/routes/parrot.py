@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from app.protocol.messages import ContextOp, Primitive
 from app.protocol.parrot import FillRequest, FreeContextRequest, GenerateRequest
 from app.protocol.sampling import SamplingParams
 from deployments.errors import unwrap
 from deployments.generation import Generation, StreamError
+from deployments.streaming import GenerationStream
 
 _FILL_PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -51,7 +51,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
         }
 
     @router.post("/generate_stream")
-    async def generate_stream(req: GenerateRequest) -> StreamingResponse:
+    async def generate_stream(req: GenerateRequest) -> GenerationStream:
         ingress = get_ingress()
         model = ingress.default_model(req.model)
         gen = await _start_generate(ingress, model, req)
@@ -68,7 +68,7 @@ def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
                 gen.cancel()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return GenerationStream(body(), gen, media_type="text/event-stream")
 
     @router.post("/free_context")
     async def free_context(req: FreeContextRequest) -> dict:

@@ -314,3 +314,19 @@ def test_contexts_whose_primitives_all_wait_cannot_hold_every_block(tiny_llama):
     for c, tokens in prompts.items():
         assert out[c] == list(fresh.generate([tokens], params)[0].outputs[0].token_ids)
         assert engine.context_tokens(c) == tokens + out[c]
+
+
+def test_a_context_as_large_as_the_cache_can_still_grow(tiny_llama):
+    """Its holder lets go of its partly filled last block for its own next primitive,
+    which otherwise needed one block more than the cache had, for ever."""
+    engine = tiny_engine(tiny_llama, num_kv_blocks=12, block_size=4)  # 48 tokens of KV
+    run(engine, "f1", fill("e"), list(range(1, 46)))  # 45 tokens: all 12 blocks
+    assert engine.block_manager.num_free_blocks == 0
+    run(engine, "f2", fill("e"), [7])
+    assert engine.context_tokens("e") == [*range(1, 46), 7]
+    engine.add_request("other", [1, 2, 3], SamplingParams(max_tokens=2))
+    for _ in range(100):
+        if not engine.has_work:
+            break
+        engine.step()
+    assert not engine.has_work

@@ -185,3 +185,34 @@ def test_nothing_schedulable_fails_health_without_spinning(tiny_llama, monkeypat
         runner.check_health(stalled_after_s=30)
     finally:
         runner.shutdown()
+
+
+def test_a_wide_request_waiting_for_seats_lets_narrow_ones_pass_for_a_while(tiny_llama):
+    engine = tiny_engine(tiny_llama, max_num_seqs=4)
+    engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.step()
+    wide = SamplingParams(n=4, max_tokens=4, ignore_eos=True, temperature=1.0, seed=3)
+    engine.add_request("wide", [4, 5, 6], wide)
+    engine.add_request("short", [7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    first: dict[str, int] = {}
+    for step in range(200):
+        if not engine.has_work:
+            break
+        for d in engine.step():
+            first.setdefault(d.request_id, step)
+    assert first["short"] <= 2, first  # it did not wait for the long request to end
+    assert "wide" in first and not engine.has_work
+
+
+def test_narrow_requests_cannot_keep_a_wide_one_out_for_ever(tiny_llama):
+    engine = tiny_engine(tiny_llama, max_num_seqs=4)
+    engine.add_request("wide", [4, 5, 6], SamplingParams(n=4, max_tokens=2, ignore_eos=True))
+    engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+    started = None
+    for step in range(400):
+        # A new short request every step would always find a free seat.
+        engine.add_request(f"s{step}", [7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
+        if any(d.request_id == "wide" for d in engine.step()):
+            started = step
+            break
+    assert started is not None, "the wide request never ran"

@@ -44,6 +44,7 @@ def serve_app(slot_dir):
                 "embeddings": {"enabled": False},
                 "max_request_bytes": 4096,
                 "request_timeout_s": 8,
+                "request_body_timeout_s": 2,
                 # Tight limits so that the overload test can fill them.
                 "models": [
                     {

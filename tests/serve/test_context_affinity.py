@@ -151,6 +151,7 @@ def test_a_replica_whose_engine_died_gets_no_more_traffic(pair_url):
         pids[stats["replica"]] = stats["engine_pid"]
     assert len(pids) == 2
     os.kill(next(iter(pids.values())), signal.SIGKILL)
+    time.sleep(0.2)  # requests inside the engine when it died end with an error event
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
     async def one(client: httpx.AsyncClient, i: int) -> int:

@@ -157,6 +157,10 @@ def test_ollama_templates_render_linearly_and_take_text_literally(base_url):
     assert r.status_code == 400 and "template" in r.json()["error"]
     r = post(base_url, "/api/generate", {"model": MODEL, "template": "x" * 70_000, "prompt": "x"})
     assert r.status_code == 400
+    # 65 KB of template repeating a 100 KB prompt would render gigabytes: refused at 2 MB.
+    body = {"model": MODEL, "template": "{{ .Prompt }}" * 5000, "prompt": "x" * 100_000}
+    r = post(base_url, "/api/generate", body)
+    assert r.status_code == 400 and "characters" in r.json()["error"]
     assert time.monotonic() - started < 10  # it used to take a second for 32 KB
     prompt = r"C:\Users\me \1 \g<0> {{ .System }}"
     template = "{{ if .System }}[{{ .System }}]{{ end }}<<{{ .Prompt }}>>"
@@ -246,6 +250,34 @@ def test_a_chunked_body_cannot_pass_the_size_limit(base_url):
     )
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_trickled_body_cannot_hold_the_ingress(base_url):
+    """The secured app wants a body within 2 s; this client sends a byte a second."""
+    host, port = base_url.removeprefix("http://").split(":")
+
+    async def trickle() -> tuple[bytes, float]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            f"POST {SECURED}/v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: {KEY['Authorization']}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        started = time.monotonic()
+        answer = asyncio.create_task(reader.read(4096))
+        for _ in range(20):
+            if answer.done():
+                break
+            writer.write(b"1\r\n \r\n")
+            await writer.drain()
+            await asyncio.wait({answer}, timeout=1.0)
+        head = await asyncio.wait_for(answer, 30)
+        writer.close()
+        return head, time.monotonic() - started
+
+    head, seconds = asyncio.run(trickle())
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert seconds < 8
 
 
 # ---- 6. information and access --------------------------------------------------------------

@@ -186,3 +186,10 @@ def test_adversarial_templates_are_fast(name, template):
     elapsed = time.perf_counter() - started
     print(f"{name}: {elapsed * 1000:.1f} ms, {outcome}")
     assert elapsed < 5.0
+
+
+def test_repeated_fields_cannot_blow_a_small_request_up():
+    template = "{{ .Prompt }}" * 5000  # 65 KB of template
+    with pytest.raises(TemplateError, match="passes 1000000 characters"):
+        render(template, {"Prompt": "x" * 100_000}, max_chars=1_000_000)
+    assert len(render(template, {"Prompt": "xy"}, max_chars=1_000_000)) == 10_000
