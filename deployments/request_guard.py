@@ -7,10 +7,10 @@ disconnects and a deadline, the same for every route and whatever the client ask
   `max_request_bytes`, whether the client declared a Content-Length or streamed it in
   chunks, and with 408 if it has not all arrived after `request_body_timeout_s`. The
   route then reads the buffered body.
-- **Disconnects.** After the body, this layer owns the client's receive channel: when the
-  client goes, the route's task is cancelled, so its generation is aborted at every hop.
-  Serve's proxy does the same unless a client sends `x-request-disconnect-disabled: ?1`;
-  this layer does it regardless.
+- **Disconnects.** When the client goes, the route's task is cancelled, so its generation
+  is aborted at every hop. Serve's proxy does that, unless the client sent
+  `x-request-disconnect-disabled: ?1`; then this layer watches the client's receive
+  channel itself (only then: each watch costs a call to the proxy).
 - **Deadline.** A request still running after `request_timeout_s` is cancelled: a 408 if
   nothing was sent yet, else its body is ended. A client's `x-request-timeout-seconds`
   can shorten Serve's own timeout but never lift this one.
@@ -37,6 +37,7 @@ Send = Callable[[Message], Awaitable[None]]
 Observer = Callable[[Scope, int, float], None]
 
 PUBLIC_PATHS = ("/health",)
+DISCONNECT_OPT_OUT = b"x-request-disconnect-disabled"
 
 
 def relative_path(scope: Scope) -> str:
@@ -141,15 +142,19 @@ class RequestGuard:
             gone.set()
 
         app = asyncio.ensure_future(self.app(scope, app_receive, app_send))
-        watcher = asyncio.ensure_future(watch())
+        tasks = {app}
+        watcher = None
+        if _header(scope, DISCONNECT_OPT_OUT) == "?1":  # Serve's proxy will not watch
+            watcher = asyncio.ensure_future(watch())
+            tasks.add(watcher)
         try:
             done, _ = await asyncio.wait(
-                {app, watcher}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+                tasks, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if app in done:
                 app.result()
                 return
-            timed_out = watcher not in done
+            timed_out = watcher is None or watcher not in done
             app.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await app
@@ -164,7 +169,7 @@ class RequestGuard:
             elif not sent["ended"]:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            for task in (app, watcher):
+            for task in tasks:
                 task.cancel()
 
     def _authenticated(self, scope: Scope) -> bool:
