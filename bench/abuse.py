@@ -34,49 +34,22 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.load import MODEL, QUESTIONS, percentile  # noqa: E402
+from bench.load import MODEL, QUESTIONS, Outcome, chat_body, one_stream, percentile  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Hi"}]
 PER_ROUND = {"context-flood", "same-new-context"}  # bodies that change every round
 
 
-async def good_stream(client: httpx.AsyncClient, url: str, rng: random.Random) -> dict:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}],
-        "max_tokens": 128,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    arrivals: list[float] = []
-    tokens, error = 0, None
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        error = event["error"]["message"]
-                    elif event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-                    elif event["choices"] and event["choices"][0]["delta"].get("content"):
-                        arrivals.append(time.perf_counter())
-    except httpx.HTTPError as exc:
-        error = repr(exc)
-    if error is None and tokens != 128:
-        error = f"{tokens} tokens instead of 128"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return {"tokens": tokens, "gaps": gaps, "error": error}
+async def good_stream(client: httpx.AsyncClient, url: str, rng: random.Random) -> Outcome:
+    out = await one_stream(client, url, chat_body(None, rng.choice(QUESTIONS), 128))
+    if out.error is None and out.tokens != 128:
+        out.error = f"{out.tokens} tokens instead of 128"
+    return out
 
 
 async def well_behaved(url: str, clients: int, seconds: float) -> dict:
     deadline = time.monotonic() + seconds
-    results: list[dict] = []
+    results: list[Outcome] = []
     limits = httpx.Limits(max_connections=clients + 4)
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
@@ -88,13 +61,13 @@ async def well_behaved(url: str, clients: int, seconds: float) -> dict:
 
         await asyncio.gather(*(user(i) for i in range(clients)))
     elapsed = time.monotonic() - started
-    gaps = sorted(g for r in results for g in r["gaps"])
-    failed = [r["error"] for r in results if r["error"]]
+    gaps = sorted(g for r in results for g in r.gaps)
+    failed = [r.error for r in results if r.error]
     return {
         "streams": len(results),
         "failed": len(failed),
         "failures": failed[:5],
-        "tok_s": round(sum(r["tokens"] for r in results if not r["error"]) / elapsed, 1),
+        "tok_s": round(sum(r.tokens for r in results if not r.error) / elapsed, 1),
         "itl_p50_ms": round(1000 * percentile(gaps, 50), 1) if gaps else None,
         "itl_p99_ms": round(1000 * percentile(gaps, 99), 1) if gaps else None,
     }

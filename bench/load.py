@@ -29,6 +29,7 @@ class Outcome:
     cached: int = 0
     prompt: int = 0
     error: str | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between text chunks
 
 
 @dataclass
@@ -60,6 +61,7 @@ def percentile(values: list[float], p: float) -> float:
 
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
     out = Outcome(sent=time.monotonic(), ended=0.0)
+    last: float | None = None
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -77,10 +79,13 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> Outcome
                         out.tokens = usage["completion_tokens"]
                         out.prompt = usage["prompt_tokens"]
                         out.cached = usage["prompt_tokens_details"]["cached_tokens"]
-                    elif out.ttft is None and any(
-                        c["delta"].get("content") for c in event["choices"]
-                    ):
-                        out.ttft = time.monotonic() - out.sent
+                    elif any(c["delta"].get("content") for c in event["choices"]):
+                        now = time.monotonic()
+                        if out.ttft is None:
+                            out.ttft = now - out.sent
+                        else:
+                            out.gaps.append(now - last)
+                        last = now
     except httpx.HTTPError as exc:
         out.error = repr(exc)
     out.ended = time.monotonic()

@@ -243,7 +243,10 @@ class ContextStore:
 
     def _make_room_for_one(self) -> None:
         while len(self.contexts) >= self.max_contexts:
-            if not self._drop_one_idle(f"there were more than max_contexts={self.max_contexts}"):
+            if (
+                self._drop_one_idle(f"there were more than max_contexts={self.max_contexts}")
+                is None
+            ):
                 raise CapacityError(
                     f"this replica holds {len(self.contexts)} contexts, its limit, and all "
                     "are busy; free some or retry later",
@@ -259,27 +262,30 @@ class ContextStore:
                 param="context_id",
             )
         reason = f"contexts held more than max_context_tokens={self.max_tokens} tokens"
-        while self.num_tokens + growth > self.max_tokens:
-            if not self._drop_one_idle(reason, keep=ctx):
+        held = self.num_tokens
+        while held + growth > self.max_tokens:
+            victim = self._drop_one_idle(reason, keep=ctx)
+            if victim is None:
                 raise CapacityError(
-                    f"contexts on this replica hold {self.num_tokens} tokens and are busy; "
+                    f"contexts on this replica hold {held} tokens and are busy; "
                     f"{growth} more would pass max_context_tokens={self.max_tokens}; "
                     "retry later",
                     param="context_id",
                 )
+            held -= len(victim.token_ids)
 
-    def _drop_one_idle(self, reason: str, keep: Context | None = None) -> bool:
+    def _drop_one_idle(self, reason: str, keep: Context | None = None) -> Context | None:
         victim = next(
             (c for c in self.contexts.values() if c.busy_with is None and c is not keep), None
         )
         if victim is None:
-            return False
+            return None
         self._remove(victim)
         self._dropped[victim.context_id] = reason
         while len(self._dropped) > MAX_TOMBSTONES:
             self._dropped.popitem(last=False)
         self.num_drops += 1
-        return True
+        return victim
 
     def _raise_if_dropped(self, context_id: str) -> None:
         reason = self._dropped.pop(context_id, None)

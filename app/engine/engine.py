@@ -266,6 +266,16 @@ class LLMEngine:
                 slots.append(slot)
             return slots
 
+    def stats_snapshot(self) -> dict:
+        """The stats, with the figures that cost a pass over the contexts (taken here,
+        when asked, not after every step)."""
+        with self._lock:
+            s, c = self.stats, self.contexts
+            s.num_contexts_resident, s.num_context_tokens = c.num_resident, c.num_tokens
+            s.num_context_evictions, s.num_context_drops = c.num_evictions, c.num_drops
+            s.stalled_s = self.stalled_s
+            return s.as_dict()
+
     def _check_params(self, params: SamplingParams) -> None:
         """What only the engine can check: token ids against this model's vocabulary."""
         vocab = self.arch.vocab_size
@@ -475,11 +485,7 @@ class LLMEngine:
             s.max_batch_num_seqs = max(s.max_batch_num_seqs, batch_seqs)
             s.num_generated_tokens += sampled
             s.num_prompt_tokens += prefill_tokens
-        c = self.contexts
-        s.num_contexts, s.num_contexts_resident = len(c), c.num_resident
-        s.num_context_tokens = c.num_tokens
-        s.num_context_evictions, s.num_context_drops = c.num_evictions, c.num_drops
-        s.stalled_s = self.stalled_s
+        s.num_contexts = len(self.contexts)
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_blocks_total, s.kv_blocks_free = bm.total, bm.free

@@ -254,7 +254,7 @@ class EngineProcess:
 
 # ---- child side ------------------------------------------------------------------------
 _CALLS = {
-    "stats": lambda engine: engine.stats.as_dict(),
+    "stats": lambda engine: engine.stats_snapshot(),
     "free_context": lambda engine, context_id: engine.free_context(context_id),
     "context_tokens": lambda engine, context_id: engine.context_tokens(context_id),
     "slots": lambda engine: engine.slots(),

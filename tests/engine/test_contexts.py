@@ -191,7 +191,7 @@ def test_idle_contexts_give_up_their_kv_to_ordinary_requests_and_are_rebuilt(tin
             break
         out += [t for d in engine.step() if d.request_id == "big" for t in d.token_ids]
     assert len(out) == 20 and not engine.has_work
-    assert engine.stats.num_context_evictions >= 1
+    assert engine.stats_snapshot()["num_context_evictions"] >= 1
     evicted = [c for c in engine.contexts.contexts.values() if not c.is_resident]
     assert evicted, "some context must have given up its KV"
     # An evicted context keeps its tokens and continues exactly as before.
@@ -217,7 +217,7 @@ def test_past_max_contexts_the_least_recently_used_idle_one_is_dropped(tiny_llam
     assert "max_contexts" in info.value.message
     with pytest.raises(NotFoundError):  # said once; then the id is free again
         engine.add_context_request("6", gen("b"), [], GREEDY)
-    assert engine.stats.num_context_drops == 1
+    assert engine.stats_snapshot()["num_context_drops"] == 1
 
 
 def test_busy_contexts_are_never_dropped_a_new_one_waits_for_room(tiny_llama):

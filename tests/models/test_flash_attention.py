@@ -3,8 +3,9 @@
 FlashAttention's kernels only run on CUDA, so here the backend gets reference kernels
 that follow their documented semantics (paged K/V through a block table, `cache_seqlens`
 / `cu_seqlens_k` as the visible keys, a causal mask aligned bottom-right) and must agree
-with a dense reference, as the torch backend does. On a machine with CUDA and flash_attn
-the same batch also runs through the real kernels."""
+with a dense reference, as the torch backend does. The real kernels have never run here
+(no GPU, and flash-attn cannot be installed on the project's GPU machine): a test of them
+would only ever be skipped, so the GPU path's own tests come with issue 20."""
 
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from app.models.attention import BatchLayout, select_backend
-from app.models.flash_attention import FlashAttentionBackend, flash_attn_available
+from app.models.flash_attention import FlashAttentionBackend
 from tests.models.test_torch_attention import dense_reference
 
 NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 256, 12
@@ -109,10 +110,3 @@ def test_selection_without_cuda_or_flash_attn():
     assert select_backend("auto", cpu, 256).name == "torch"
     with pytest.raises(ValueError, match="needs CUDA"):
         select_backend("flash", cpu, 256)
-
-
-@pytest.mark.skipif(not flash_attn_available(), reason="needs CUDA and flash_attn")
-def test_real_kernels_on_the_gpu():
-    backend = FlashAttentionBackend(BS)
-    out, ref = run_batch(backend, torch.device("cuda"), torch.bfloat16)
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
