@@ -1,7 +1,7 @@
 """Shoal: LLM serving on Ray Serve.
 
 Importing `app` has no side effects. `serve run app:graph` reaches the application
-builder (app.builder.graph, which takes typed args) through PEP 562's module
+builder (deployments.builder.graph, which takes typed args) through PEP 562's module
 `__getattr__`, so Ray is imported only when the graph is asked for.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "graph":
-        from app.builder import graph
+        from deployments.builder import graph
 
         return graph
     raise AttributeError(f"module 'app' has no attribute {name!r}")

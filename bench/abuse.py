@@ -301,8 +301,8 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
     from bench.serve_overhead import wait_healthy
 
     slots = tempfile.mkdtemp(prefix="shoal-abuse-slots-")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.protocol import SamplingParams  # noqa: E402
-from app.protocol.messages import ContextOp, Primitive  # noqa: E402
+from app.protocol.messages import ContextAction, ContextOp  # noqa: E402
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
 
@@ -64,12 +64,12 @@ def main() -> None:
         figures["cold"].append(first_token_ms(engine, add, prefix + tokens(24), ONE))
         figures["cached"].append(first_token_ms(engine, add, prefix + tokens(24), ONE))
         parent, child, fresh = f"p{i}", f"c{i}", f"r{i}"
-        first_token_ms(engine, add_ctx, ContextOp(parent, Primitive.FILL), tokens(args.prefix), ONE)
+        first_token_ms(engine, add_ctx, ContextOp(parent, ContextAction.FILL), tokens(args.prefix), ONE)
         held, q = engine.context_tokens(parent), tokens(args.question)
-        fork = ContextOp(child, Primitive.GENERATE, parent)
+        fork = ContextOp(child, ContextAction.GENERATE, parent)
         figures["fork"].append(first_token_ms(engine, add_ctx, fork, q, ONE))
         engine.block_manager.enable_prefix_caching = False  # a real re-fill: no cache hits
-        refill = ContextOp(fresh, Primitive.GENERATE)
+        refill = ContextOp(fresh, ContextAction.GENERATE)
         figures["refill"].append(first_token_ms(engine, add_ctx, refill, held + q, ONE))
         engine.block_manager.enable_prefix_caching = True
         for cid in (parent, child, fresh):

@@ -39,7 +39,7 @@ MODEL = "smollm2-135m-instruct"
 
 
 def app_config(replicas: int, threads: int, engine: dict | None = None, **model):
-    from app.config import AppConfig
+    from deployments.config import AppConfig
 
     engine = {"num_threads": threads, **(engine or {})}
     model = {"num_replicas": replicas, "num_cpus": 1.0, "engine": engine, **model}
@@ -49,7 +49,7 @@ def app_config(replicas: int, threads: int, engine: dict | None = None, **model)
 def deploy(config, url: str) -> None:
     from ray import serve
 
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     serve.run(build_app(config), name="default", route_prefix="/", blocking=False)
     deadline = time.time() + 300
@@ -136,7 +136,7 @@ def part_replica_kill(url: str, args) -> dict:
 
 
 def part_node_kill(args) -> dict:
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     result: dict = {}
     config = app_config(2, 1, engine={"kv_cache_memory_gib": 0.25})

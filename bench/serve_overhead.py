@@ -136,7 +136,7 @@ def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: in
     import ray
     from ray import serve
 
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     model = config.models[0].name
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -215,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [tuple(int(x) for x in part.split(":")) for part in args.levels.split(",")]
 
-    from app.config import AppConfig
+    from deployments.config import AppConfig
 
     settings: dict = {"embeddings": {"enabled": False}}
     if args.stream_messages_per_s is not None:

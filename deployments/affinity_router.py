@@ -35,7 +35,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from app.config import RoutingConfig
+from deployments.config import RoutingConfig
 from deployments.prefix_index import PrefixIndex
 
 MAX_PINS = 100_000  # contexts remembered per ingress (~150 B each)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from app.config import EmbeddingsConfig
+from deployments.config import EmbeddingsConfig
 from app.protocol.errors import ModelLoadError
 
 

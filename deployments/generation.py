@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app.protocol.errors import OverloadedError, RemoteError
-from app.protocol.messages import ContextOp, EngineErrorMessage, GenerateRequest
+from app.protocol.messages import ContextOp, EngineErrorMessage, EngineRequest
 from app.protocol.outputs import TokenDelta, TokenLogprob
 from app.protocol.sampling import SamplingParams
 from app.text.detokenizer import IncrementalDetokenizer
@@ -119,7 +119,7 @@ class Generation:
             for i in range(params.n)
         ]
         self._handle = handle
-        self._request = GenerateRequest(self.request_id, prompt_ids, params, context)
+        self._request = EngineRequest(self.request_id, prompt_ids, params, context)
         self._stream = handle.generate.remote(self._request)
         self._first: TokenDelta | EngineErrorMessage | None = None
         self._timer = timer  # TokenTimer or None

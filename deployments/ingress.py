@@ -8,7 +8,7 @@ from fastapi import FastAPI, Response
 from fastapi.middleware.cors import CORSMiddleware
 from ray import serve
 
-from app.config import AppConfig
+from deployments.config import AppConfig
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer
 from app.protocol.errors import ShoalError

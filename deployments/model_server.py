@@ -16,7 +16,7 @@ from ray import serve
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from app.config import ModelDeploymentConfig
+from deployments.config import ModelDeploymentConfig
 from app.engine import slot_files
 from app.engine.async_engine import EngineDeadError, EngineUnavailableError
 from app.engine.engine_process import EngineProcess
@@ -27,7 +27,7 @@ from app.protocol.errors import (
     RemoteError,
     ShoalError,
 )
-from app.protocol.messages import EngineErrorMessage, GenerateRequest
+from app.protocol.messages import EngineErrorMessage, EngineRequest
 from app.protocol.outputs import TokenDelta
 from deployments.generation import ENGINE_UNAVAILABLE
 from deployments.registry import HEARTBEAT_S, runtime_info
@@ -99,7 +99,7 @@ class ModelServer:
             self._stopping.wait(HEARTBEAT_S)
 
     async def generate(
-        self, request: GenerateRequest
+        self, request: EngineRequest
     ) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
         """Yields the first delta as soon as the engine produces it; later ones are paced
         by the replica's message budget (see StreamPacer)."""

@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from app.config import AppConfig
+from deployments.config import AppConfig
 
 logger = logging.getLogger("ray.serve")
 

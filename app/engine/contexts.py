@@ -37,7 +37,7 @@ from app.protocol.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from app.protocol.messages import ContextOp, Primitive
+from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.outputs import FinishReason
 from app.protocol.sampling import SamplingParams
 
@@ -100,7 +100,7 @@ class ContextStore:
         """The sequence that runs `op`; creates (or forks) the context when it is new."""
         if params.n != 1:
             raise InvalidRequestError("a context primitive generates one output (n=1)", "n")
-        if op.primitive is Primitive.FILL and not new_token_ids:
+        if op.action is ContextAction.FILL and not new_token_ids:
             raise InvalidRequestError("a fill needs at least one token", "token_ids")
         ctx = self.contexts.get(op.context_id)
         if ctx is None:
@@ -115,7 +115,7 @@ class ContextStore:
             if not tokens:
                 raise InvalidRequestError(f"context {op.context_id!r} is empty: fill it first")
             growth = len(new_token_ids)
-            if op.primitive is Primitive.GENERATE:
+            if op.action is ContextAction.GENERATE:
                 growth += params.max_tokens
             self._keep_tokens_within_limit(ctx, growth)
         except BaseException:
@@ -145,7 +145,7 @@ class ContextStore:
             return
         holder = ctx.holder
         self.block_manager.free(holder)  # the sequence holds its own references on them
-        if op.primitive is Primitive.FILL:
+        if op.action is ContextAction.FILL:
             holder.token_ids = seq.token_ids[: seq.num_prompt_tokens]  # not the sampled one
         else:
             holder.token_ids = list(seq.token_ids)
@@ -229,7 +229,7 @@ class ContextStore:
         if op.parent_context_id is not None:
             parent = self.get(op.parent_context_id)
             holder = self._fork(parent.holder, op.context_id)
-        elif op.primitive is Primitive.FILL or new_token_ids:
+        elif op.action is ContextAction.FILL or new_token_ids:
             holder = Sequence(f"context:{op.context_id}", [], SamplingParams())
         else:
             raise NotFoundError(f"context {op.context_id!r} does not exist", param="context_id")

@@ -36,7 +36,7 @@ from app.protocol.errors import (
     NotImplementedByServerError,
     ShoalError,
 )
-from app.protocol.messages import ContextOp, Primitive
+from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.outputs import (
     CompletionOutput,
     EngineErrorMessage,
@@ -130,7 +130,7 @@ class LLMEngine:
         """A Fill or Generate on a persistent context (see app.engine.contexts). A Fill
         computes its tokens' KV and samples nothing the client sees."""
         tokens = self._checked_tokens(new_token_ids, "token_ids")
-        if op.primitive is Primitive.FILL:
+        if op.action is ContextAction.FILL:
             params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self._check_params(params)
         with self._lock:

@@ -1,4 +1,6 @@
-"""Typed messages that cross the ingress -> model replica hop (never HTTP objects)."""
+"""Internal messages that cross the ingress -> model replica hop (never HTTP objects,
+never a dialect's schema). Every call that touches a context carries its `ContextOp`,
+which is all a request router needs to read."""
 
 from dataclasses import dataclass
 from enum import StrEnum
@@ -6,26 +8,50 @@ from enum import StrEnum
 from app.protocol.outputs import EngineErrorMessage
 from app.protocol.sampling import SamplingParams
 
-__all__ = ["ContextOp", "EngineErrorMessage", "GenerateRequest", "Primitive"]
+__all__ = ["ContextAction", "ContextOp", "EngineErrorMessage", "EngineRequest", "context_op"]
 
 
-class Primitive(StrEnum):
-    FILL = "fill"
-    GENERATE = "generate"
+class ContextAction(StrEnum):
+    FILL = "fill"  # add tokens to a context, sample nothing the client sees
+    GENERATE = "generate"  # add tokens, then generate and keep the output in the context
+    READ = "read"  # its tokens
+    FREE = "free"
+    SAVE = "save"  # its tokens and KV to a file
+    RESTORE = "restore"  # a context from a file
+
+    @property
+    def creates(self) -> bool:
+        """Whether this action may bring the context into being (and so pins it where it
+        is sent); the others only find it where it already is."""
+        return self in (ContextAction.FILL, ContextAction.GENERATE, ContextAction.RESTORE)
 
 
 @dataclass(frozen=True)
 class ContextOp:
-    """What a request does to a context; travels with the request."""
+    """What one call does to one context; a child (`parent_context_id`) starts as a fork
+    of its parent, in the parent's replica."""
 
     context_id: str
-    primitive: Primitive
+    action: ContextAction
     parent_context_id: str | None = None
 
 
 @dataclass(frozen=True)
-class GenerateRequest:
+class EngineRequest:
+    """One generation as the engine takes it."""
+
     request_id: str
     prompt_token_ids: list[int]  # with `context`: the tokens to add to it
     params: SamplingParams
     context: ContextOp | None = None
+
+
+def context_op(args: tuple) -> ContextOp | None:
+    """The context a replica call names, whatever the method: its ContextOp argument, or
+    its EngineRequest's."""
+    for arg in args:
+        if isinstance(arg, ContextOp):
+            return arg
+        if isinstance(arg, EngineRequest):
+            return arg.context
+    return None

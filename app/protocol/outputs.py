@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from app.protocol.sampling import SamplingParams
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id, or (in the ingress) a stop string
@@ -64,3 +66,34 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine reports once it has loaded its model."""
+
+    model: str
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """One of an engine's `max_num_seqs` seats: each running or waiting request holds one
+    (in admission order), the rest are idle. llama.cpp calls them slots."""
+
+    index: int
+    state: str  # "idle", "running" or "waiting"
+    max_model_len: int
+    request_id: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    params: SamplingParams | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContextFile:
+    """A context written to, or read from, a file."""
+
+    num_tokens: int
+    num_bytes: int

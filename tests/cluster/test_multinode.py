@@ -21,8 +21,8 @@ DEPLOYMENT = f"ModelServer:{MODEL}"
 
 @pytest.fixture(scope="module")
 def cluster():
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
 
     config = AppConfig.model_validate(
         {

@@ -7,8 +7,8 @@ from pydantic import ValidationError
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
 import app
-from app.builder import build_app
-from app.config import AppArgs, AppConfig
+from deployments.builder import build_app
+from deployments.config import AppArgs, AppConfig
 
 
 def deployments(application) -> dict:

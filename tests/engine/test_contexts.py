@@ -6,7 +6,7 @@ import pytest
 
 from app.protocol import SamplingParams
 from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundError
-from app.protocol.messages import ContextOp, Primitive
+from app.protocol.messages import ContextAction, ContextOp
 from tests.helpers import tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -23,11 +23,11 @@ def run(engine, rid: str, op: ContextOp, tokens: list[int], params=GREEDY) -> li
 
 
 def fill(cid: str, parent: str | None = None) -> ContextOp:
-    return ContextOp(cid, Primitive.FILL, parent)
+    return ContextOp(cid, ContextAction.FILL, parent)
 
 
 def gen(cid: str, parent: str | None = None) -> ContextOp:
-    return ContextOp(cid, Primitive.GENERATE, parent)
+    return ContextOp(cid, ContextAction.GENERATE, parent)
 
 
 @pytest.fixture

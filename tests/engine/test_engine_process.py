@@ -111,14 +111,14 @@ def test_killed_engine_ends_streams_and_fails_health(tiny_llama):
 def test_slot_files_are_written_off_the_step_loop(tmp_path):
     """Saving a long context (SmolLM2, 6000 tokens: over 100 MB of KV) runs beside the step
     loop: a stream on the same engine keeps getting tokens while the file is written."""
-    from app.protocol.messages import ContextOp, Primitive
+    from app.protocol.messages import ContextAction, ContextOp
 
     proc = EngineProcess(EngineConfig(kv_cache_memory_gib=0.5, num_threads=1))
     try:
 
         async def main() -> tuple[int, float, int]:
             ids = [100 + (i * 7919) % 40000 for i in range(6000)]
-            fill = ContextOp("big", Primitive.FILL)
+            fill = ContextOp("big", ContextAction.FILL)
             async for _ in proc.generate("fill", ids, SamplingParams(max_tokens=1), fill):
                 pass
             params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)

@@ -43,8 +43,8 @@ def built_apps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve._private.build_app import build_app as serve_build_app
 
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
 
     (application,) = serve_config()["applications"]
     args = _args_with_secret(tmp_path_factory.mktemp("shoal-config"))
@@ -73,13 +73,13 @@ def test_serve_config_parses_with_serves_schema() -> None:
 
 
 def test_import_path_is_the_application_builder(built_apps: dict[str, Any]) -> None:
-    from app.builder import graph
+    from deployments.builder import graph
 
     assert built_apps["builder"] is graph
 
 
 def test_args_are_app_args() -> None:
-    from app.config import AppArgs
+    from deployments.config import AppArgs
 
     args = AppArgs.model_validate(app_args())
     (model,) = args.models
@@ -91,7 +91,7 @@ def test_bad_args_are_rejected_like_serve_would() -> None:
     from pydantic import ValidationError
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    from app.builder import graph
+    from deployments.builder import graph
 
     args = copy.deepcopy(app_args())
     args["models"][0]["engine"]["modle"] = args["models"][0]["engine"].pop("model")
@@ -171,7 +171,7 @@ def test_secrets_stay_out_of_the_serve_config() -> None:
 def test_api_keys_come_from_the_config_file(tmp_path: Path) -> None:
     """Fields in `args` override the file's, so `args` must not set api_keys (not even to [],
     which would turn auth off whatever the Secret says)."""
-    from app.config import AppArgs
+    from deployments.config import AppArgs
 
     args = app_args()
     assert "api_keys" not in args
@@ -197,7 +197,7 @@ def test_http_requests_have_a_time_limit() -> None:
     which a client can lift, is a backstop just above it."""
     from ray.serve.schema import ServeDeploySchema
 
-    from app.config import AppArgs
+    from deployments.config import AppArgs
 
     serve_limit = ServeDeploySchema.model_validate(serve_config()).http_options.request_timeout_s
     # The Secret's file holds only api_keys: the args (or the default) set the limit.

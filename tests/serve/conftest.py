@@ -27,8 +27,8 @@ def serve_app(slot_dir):
     import ray
     from ray import serve
 
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
 
     assert _free(APP_PORT), f"port {APP_PORT} is busy"
     slot_root = slot_dir

@@ -11,8 +11,8 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def pair_url(base_url):
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
 
     config = AppConfig.model_validate(
         {

@@ -22,8 +22,8 @@ EXAMPLES = 12  # per operation and generation mode
 
 @pytest.fixture(scope="module")
 def fuzz_url(base_url, tmp_path_factory):
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
 
     config = AppConfig.model_validate(
         {

@@ -14,7 +14,7 @@ GRACE_S = 5.0
 
 
 def config(messages_per_s: float):
-    from app.config import AppConfig
+    from deployments.config import AppConfig
 
     return AppConfig.model_validate(
         {
@@ -105,6 +105,6 @@ def test_rolling_update_drains_then_ends_streams_cleanly(base_url):
 
 
 def build(messages_per_s: float):
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     return build_app(config(messages_per_s))

@@ -18,8 +18,8 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def tp_url(base_url):
-    from app.builder import build_app
-    from app.config import AppConfig
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
 
     config = AppConfig.from_yaml(ROOT / "configs" / "tp.yaml")
     config = config.model_copy(

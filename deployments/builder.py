@@ -4,7 +4,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from app.config import AppArgs, AppConfig, ModelDeploymentConfig
+from deployments.config import AppArgs, AppConfig, ModelDeploymentConfig
 
 
 def build_app(config: AppConfig) -> Application:
