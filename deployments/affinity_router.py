@@ -1,44 +1,58 @@
 """AffinityRouter: send a request to the replica whose KV cache already holds its start.
 
 Serve routes each ModelServer handle call through this router (the deployment's
-`request_router_class`), in the ingress process:
+`request_router_class`), in the ingress process. It reads one typed object from a call,
+whatever the method: its `ContextOp` (`app.protocol.messages.context_op`), or for a
+generation that names no context, its `EngineRequest`'s prompt. Method names and argument
+positions mean nothing here.
 
 - A call that names a context (Parrot's Fill/Generate/free, a llama.cpp slot) must reach
-  the one replica that holds it. The call that creates a context goes where the usual
-  choice sends it (a child goes where its parent is) and pins it there, before it is
-  sent, so that a concurrent call for the same new context follows it; if that replica
-  is gone, its contexts went with it: the call falls back and gets the engine's 404.
-- Any other generate call prefers the replicas that were sent the longest prefix of its
+  the one replica that holds it. A call whose action may create the context
+  (`ContextAction.creates`) goes where the usual choice sends it (a child goes where its
+  parent is) and pins it there, before it is sent, so that a concurrent call for the same
+  new context follows it. The other actions only follow a pin: if that replica is gone,
+  its contexts went with it, and the call falls back to the usual choice and gets the
+  engine's 404. A pinned call waits (with backoff) for its replica alone.
+- Any other generation prefers the replicas that were sent the longest prefix of its
   prompt (a shared system prompt, the earlier turns of a chat), as remembered by a
   PrefixIndex, unless they are busier than the least loaded replica by more than
-  `max_imbalance` ongoing requests. The preference is a first rank: if those replicas
-  are full, Serve's power-of-two choice among all replicas is the next.
+  `max_imbalance` ongoing requests, or full. The preference is a first rank; the usual
+  choice is the next.
 
-The maps live in this process and are shared by every handle to the deployment here;
-with several ingress replicas each learns its own (contexts then need a sticky client).
+The usual choice is Serve's power of two choices, built here on the public router API
+(`ray.serve.request_router`): two random replicas among those the locality policy offers
+(`apply_locality_routing`: this node, then this zone, then all, one step per attempt);
+Serve then sends to the one with the shorter queue. The decisions themselves are the
+pure functions below, over replica ids and queue lengths.
 
-The router hands each chosen replica to the request it was chosen for: Serve's
-power-of-two router (FIFOMixin) would give it to the oldest waiting request, which for
-a pinned context would be the wrong replica.
+The maps live in this process and are shared by every router of the deployment here; with
+several ingress replicas each learns its own (contexts then need a sticky client).
+
+The router hands each chosen replica to the request it was chosen for (the base class's
+default): Serve's FIFOMixin would give it to the oldest waiting request, which for a
+pinned context would be the wrong replica.
 """
 
+import random
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
     LocalityMixin,
-    MultiplexMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
     RunningReplica,
 )
 
+from app.protocol.messages import ContextOp, EngineRequest, context_op
 from deployments.config import RoutingConfig
 from deployments.prefix_index import PrefixIndex
 
 MAX_PINS = 100_000  # contexts remembered per ingress (~150 B each)
+
+T = TypeVar("T")
 
 
 class ContextPins:
@@ -73,143 +87,175 @@ class ContextPins:
         for context in self.held.pop(replica, set()):
             self.holder.pop(context, None)
 
+    def retain(self, replicas: Collection[str]) -> None:
+        """Drop the pins of every replica not in `replicas` (the live ones)."""
+        for gone in [r for r in self.held if r not in replicas]:
+            self.drop_replica(gone)
 
-# (app, deployment) -> context pins / where prompts were sent, for this process.
-_PINS: dict[tuple[str, str], ContextPins] = {}
-# (app, deployment) -> where prompts were sent, for this process.
-_PREFIXES: dict[tuple[str, str], PrefixIndex] = {}
+
+# ---- The decisions, over replica ids and queue lengths (no Serve objects) ----
 
 
-def _contexts(pending: PendingRequest | None) -> tuple[str | None, str | None]:
-    """(context id, parent context id) named by a ModelServer call."""
+def context_home(
+    op: ContextOp, pins: ContextPins, live: Collection[str], new_home: Callable[[], str]
+) -> str | None:
+    """The replica a call naming `op`'s context must go to: the live one it is pinned to,
+    else (a child) its parent's. If neither and the call may create the context, the one
+    `new_home` picks. A call that may create the context pins it there now, before it is
+    sent. None: the call can go anywhere (its holder is gone; it will get a 404)."""
+    home = pins.holder.get(op.context_id)
+    if home not in live and op.parent_context_id is not None:
+        home = pins.holder.get(op.parent_context_id)
+    if home not in live:
+        if not op.action.creates:
+            return None
+        home = new_home()
+    if op.action.creates:
+        pins.pin(op.context_id, home)
+    return home
+
+
+def two_choices(candidates: Sequence[T], rng: random.Random | None = None) -> list[T]:
+    """Two distinct candidates in random order (all of them if fewer): the sample of the
+    power of two choices."""
+    return (rng or random).sample(candidates, min(2, len(candidates)))
+
+
+def least_loaded(replicas: Sequence[str], load: Mapping[str, int]) -> str:
+    """The replica with the shortest queue; the first of equals."""
+    return min(replicas, key=load.__getitem__)
+
+
+def balanced_holders(
+    holders: Sequence[str], load: Mapping[str, int], max_imbalance: int
+) -> list[str]:
+    """The prefix holders no busier than the least loaded replica (of all in `load`) by
+    more than `max_imbalance` ongoing requests."""
+    least = min(load.values())
+    return [h for h in holders if load[h] - least <= max_imbalance]
+
+
+def prompt_of(args: Sequence[Any]) -> list[int] | None:
+    """The prompt of a generation that names no context: what prefix affinity reads."""
+    for arg in args:
+        if isinstance(arg, EngineRequest):
+            return arg.prompt_token_ids if arg.context is None else None
+    return None
+
+
+def call_args(pending: PendingRequest | None) -> tuple[Any, ...]:
+    """Every argument of a call, positional or named: the typed objects are found by type."""
     if pending is None:
-        return None, None
-    method, args = pending.metadata.call_method, pending.args
-    if method == "generate" and args and getattr(args[0], "context", None) is not None:
-        op = args[0].context
-        return op.context_id, op.parent_context_id
-    if method in ("context_tokens", "free_context") and args:
-        return str(args[0]), None
-    if method == "slot_action" and len(args) >= 2:
-        from deployments.model_server import slot_context
-
-        return slot_context(int(args[1])), None
-    return None, None
+        return ()
+    return (*pending.args, *pending.kwargs.values())
 
 
-def _creates_context(pending: PendingRequest) -> bool:
-    """Only calls that can create a context pin it; a lookup or a free must not."""
-    method, args = pending.metadata.call_method, pending.args
-    return method == "generate" or (method == "slot_action" and bool(args) and args[0] == "restore")
+# ---- The router: Serve's hooks, wired to the decisions above ----
+
+# (app, deployment) -> where prompts were sent / which replica holds each context.
+_SHARED: dict[tuple[str, str], tuple[PrefixIndex, ContextPins]] = {}
 
 
-def _prompt(pending: PendingRequest | None) -> list[int] | None:
-    """The prompt of a generate call that names no context."""
-    if pending is None or pending.metadata.call_method != "generate" or not pending.args:
-        return None
-    request = pending.args[0]
-    if getattr(request, "context", None) is not None:
-        return None
-    return getattr(request, "prompt_token_ids", None)
+class AffinityRouter(LocalityMixin, RequestRouter):
+    def __init__(self, *args: Any, deployment_id: Any, **kwargs: Any) -> None:
+        super().__init__(*args, deployment_id=deployment_id, **kwargs)
+        # Serve passes its DeploymentID (a documented constructor argument): the key under
+        # which this process's routers for one deployment share their maps.
+        self.deployment_key = (deployment_id.app_name, deployment_id.name)
 
-
-class AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(
         self, routing: dict[str, Any] | None = None, block_size: int = 16, **kwargs: Any
     ) -> None:
         super().initialize_state(**kwargs)
         self.routing = RoutingConfig.model_validate(routing or {})
-        key = (self._deployment_id.app_name, self._deployment_id.name)
-        if key not in _PREFIXES:
-            _PREFIXES[key] = PrefixIndex(
-                block_size, self.routing.max_prefix_tokens, self.routing.max_indexed_blocks
+        if self.deployment_key not in _SHARED:
+            _SHARED[self.deployment_key] = (
+                PrefixIndex(
+                    block_size, self.routing.max_prefix_tokens, self.routing.max_indexed_blocks
+                ),
+                ContextPins(),
             )
-            _PINS[key] = ContextPins()
-        self.prefixes, self.pins = _PREFIXES[key], _PINS[key]
+        self.prefixes, self.pins = _SHARED[self.deployment_key]
 
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        context, parent = _contexts(pending_request)
-        chosen = self._holder(candidate_replicas, context) or self._holder(
-            candidate_replicas, parent
-        )
-        creates = context is not None and _creates_context(pending_request)
-        if chosen is None and creates:
-            ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(
-                self, candidate_replicas, pending_request
+        args = call_args(pending_request)
+        op = context_op(args)
+        if op is not None and pending_request is not None:
+            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            home = context_home(
+                op,
+                self.pins,
+                by_id,
+                lambda: self._new_home(candidate_replicas, pending_request),
             )
-            cache = self.replica_queue_len_cache
-            pool = ranks[0] if ranks and ranks[0] else candidate_replicas
-            chosen = min(pool, key=lambda r: cache.get(r.replica_id) or 0)
-        if chosen is not None:
-            if creates:
-                # Pinned now, before the call is sent: a second call for the same new
-                # context, routed meanwhile, must find the pin (else both replicas would
-                # create it and one copy would leak).
-                self.pins.pin(context, chosen.replica_id.unique_id)
-            # Only this replica will do: if it is full, wait (with backoff) for it.
-            pending_request.routing_context.should_backoff = True
-            return [[chosen]]
-        ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(
-            self, candidate_replicas, pending_request
-        )
-        preferred = self._prefix_holders(candidate_replicas, _prompt(pending_request))
+            if home is not None:
+                # Only this replica will do: if it is full, wait (with backoff) for it.
+                pending_request.routing_context.should_backoff = True
+                return [[by_id[home]]]
+        usual = self._power_of_two(candidate_replicas, pending_request)
+        ranks = [usual] if usual else []
+        preferred = self._prefix_holders(candidate_replicas, prompt_of(args))
         return [preferred, *ranks] if preferred else ranks
 
-    def _holder(
-        self, candidates: list[RunningReplica], context: str | None
-    ) -> RunningReplica | None:
-        holder = self.pins.holder.get(context) if context else None
-        if holder is None:
-            return None
-        return next((r for r in candidates if r.replica_id.unique_id == holder), None)
+    def _power_of_two(
+        self, candidates: list[RunningReplica], pending: PendingRequest | None
+    ) -> list[RunningReplica]:
+        """Two random replicas among those the locality policy offers this attempt; Serve
+        sends to the one with the shorter queue (probing it if not cached)."""
+        local = self.apply_locality_routing(pending)
+        return two_choices([r for r in candidates if r.replica_id in local])
+
+    def _new_home(self, candidates: list[RunningReplica], pending: PendingRequest) -> str:
+        """Where a new context goes: the power of two choices, decided here (it is pinned
+        before Serve sees the queues), preferring a replica that is not full."""
+        pair = self._power_of_two(candidates, pending) or candidates
+        pool = self.select_available_replicas(pair) or pair
+        return least_loaded([r.replica_id.unique_id for r in pool], self._loads(pool))
 
     def _prefix_holders(
         self, candidates: list[RunningReplica], prompt: list[int] | None
     ) -> list[RunningReplica]:
         """The replicas holding the prompt's longest known prefix, if that prefix is worth
-        it and they are not much busier than the least loaded replica."""
+        it and they are neither full nor much busier than the least loaded replica."""
         if not prompt or not self.routing.prefix_affinity or len(candidates) < 2:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidates}
         holders, matched = self.prefixes.match(prompt, by_id)
         if matched < self.routing.min_match_tokens:
             return []
+        kept = balanced_holders(holders, self._loads(candidates), self.routing.max_imbalance)
+        return self.select_available_replicas([by_id[h] for h in kept])
+
+    def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Ongoing requests per replica as last seen (unknown: 0, as Serve counts it)."""
         cache = self.replica_queue_len_cache
-        load = {rid: cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
-        least = min(load.values())
-        return [
-            by_id[rid]
-            for rid in holders
-            if load[rid] - least <= self.routing.max_imbalance
-            and load[rid] < by_id[rid].max_ongoing_requests
-        ]
+        return {r.replica_id.unique_id: cache.get(r.replica_id) or 0 for r in replicas}
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         super().on_request_routed(pending_request, replica_id, result)
-        prompt = _prompt(pending_request)
+        args = call_args(pending_request)
+        prompt = prompt_of(args)
         if prompt and self.routing.prefix_affinity:
             self.prefixes.insert(prompt, replica_id.unique_id)
-        context, _ = _contexts(pending_request)
-        if context is None:
+        op = context_op(args)
+        if op is None:
             return
-        if _creates_context(pending_request):
-            self.pins.pin(context, replica_id.unique_id)  # where it really went
+        if op.action.creates:
+            self.pins.pin(op.context_id, replica_id.unique_id)  # where it really went
         else:
-            self.pins.touch(context)
+            self.pins.touch(op.context_id)
 
     # A gone replica's contexts went with it. Its prefix entries are left to age out of
     # the index (LRU): `match` only ever considers live replicas.
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = set(self._replica_id_set)
         super().update_replicas(replicas)
-        for gone in before - set(self._replica_id_set):
-            self.pins.drop_replica(gone.unique_id)
+        self.pins.retain({r.replica_id.unique_id for r in replicas})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

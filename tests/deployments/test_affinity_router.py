@@ -1,0 +1,147 @@
+"""The router's decisions, over replica ids and queue lengths (no Ray started). Live
+routing through Serve is covered by tests/serve/test_context_affinity.py."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from app.protocol.messages import ContextAction, ContextOp, EngineRequest, context_op
+from app.protocol.sampling import SamplingParams
+from deployments.affinity_router import (
+    ContextPins,
+    balanced_holders,
+    context_home,
+    least_loaded,
+    prompt_of,
+    two_choices,
+)
+
+LIVE = {"r1", "r2", "r3"}
+
+
+def never() -> str:
+    raise AssertionError("no new home should be chosen")
+
+
+def test_pins_keep_at_most_capacity_least_recently_used_first():
+    pins = ContextPins(capacity=2)
+    pins.pin("a", "r1")
+    pins.pin("b", "r1")
+    pins.touch("a")  # b is now the least recently used
+    pins.pin("c", "r2")
+    assert dict(pins.holder) == {"a": "r1", "c": "r2"}
+    assert pins.held == {"r1": {"a"}, "r2": {"c"}}
+
+
+def test_pins_go_with_their_replica():
+    pins = ContextPins()
+    pins.pin("c1", "r1")
+    pins.pin("c2", "r1")
+    pins.pin("c3", "r2")
+    pins.pin("c2", "r2")  # created anew elsewhere: the new holder wins
+    pins.drop_replica("r1")
+    assert pins.holder == {"c2": "r2", "c3": "r2"}
+    pins.pin("c4", "r3")
+    pins.retain({"r3"})  # the replica set changed: r2 is gone
+    assert pins.holder == {"c4": "r3"} and set(pins.held) == {"r3"}
+
+
+def test_a_new_context_is_pinned_before_its_call_is_sent():
+    pins = ContextPins()
+    op = ContextOp("c", ContextAction.FILL)
+    assert context_home(op, pins, LIVE, lambda: "r2") == "r2"
+    assert pins.holder == {"c": "r2"}
+    # A concurrent call for the same new context, routed before the first was sent,
+    # follows the pin, whatever the usual choice would have been.
+    assert context_home(ContextOp("c", ContextAction.GENERATE), pins, LIVE, never) == "r2"
+    assert context_home(ContextOp("c", ContextAction.READ), pins, LIVE, never) == "r2"
+
+
+def test_a_child_goes_to_its_parent_and_is_pinned_there():
+    pins = ContextPins()
+    pins.pin("parent", "r3")
+    child = ContextOp("child", ContextAction.FILL, parent_context_id="parent")
+    assert context_home(child, pins, LIVE, never) == "r3"
+    assert pins.holder["child"] == "r3"
+    # Once the child has a home of its own, that is where it goes.
+    pins.pin("parent", "r1")
+    assert context_home(child, pins, LIVE, never) == "r3"
+
+
+@pytest.mark.parametrize("action", [ContextAction.READ, ContextAction.FREE, ContextAction.SAVE])
+def test_calls_that_cannot_create_only_follow_a_pin(action: ContextAction):
+    pins = ContextPins()
+    assert context_home(ContextOp("c", action), pins, LIVE, never) is None
+    assert not pins.holder  # a lookup or a free never pins
+    pins.pin("c", "r1")
+    assert context_home(ContextOp("c", action), pins, LIVE, never) == "r1"
+    assert context_home(ContextOp("c", action), pins, {"r2", "r3"}, never) is None
+
+
+def test_a_context_whose_holder_is_gone_is_created_anew_elsewhere():
+    pins = ContextPins()
+    pins.pin("c", "gone")
+    restore = ContextOp("c", ContextAction.RESTORE)
+    assert context_home(restore, pins, LIVE, lambda: "r1") == "r1"
+    assert pins.holder == {"c": "r1"}
+
+
+def test_two_choices_samples_distinct_pairs_uniformly():
+    rng = random.Random(0)
+    assert two_choices([], rng) == []
+    assert two_choices(["a"], rng) == ["a"]
+    assert sorted(two_choices(["a", "b"], rng)) == ["a", "b"]
+    pairs = Counter(tuple(two_choices(["a", "b", "c"], rng)) for _ in range(6000))
+    assert len(pairs) == 6 and all(a != b for a, b in pairs)  # every ordered pair
+    assert min(pairs.values()) > 800  # ~1000 each
+
+
+def test_least_loaded_takes_the_shorter_queue_first_of_equals():
+    assert least_loaded(["a", "b"], {"a": 3, "b": 1}) == "b"
+    assert least_loaded(["b", "a"], {"a": 2, "b": 2}) == "b"
+
+
+def test_prefix_holders_must_be_within_max_imbalance_of_the_least_loaded():
+    load = {"r1": 9, "r2": 4, "r3": 1}
+    assert balanced_holders(["r1", "r2"], load, max_imbalance=3) == ["r2"]
+    assert balanced_holders(["r1", "r2"], load, max_imbalance=8) == ["r1", "r2"]
+    assert balanced_holders(["r1"], load, max_imbalance=0) == []
+
+
+def test_the_router_reads_typed_objects_whatever_the_method():
+    params = SamplingParams()
+    plain = EngineRequest("q1", [1, 2, 3], params)
+    op = ContextOp("c", ContextAction.GENERATE)
+    in_context = EngineRequest("q2", [4], params, context=op)
+    assert prompt_of((plain,)) == [1, 2, 3]
+    assert prompt_of((in_context,)) is None  # its tokens extend a context: no prefix
+    assert prompt_of((op, "file.bin")) is None
+    assert context_op((in_context,)) == op
+    assert context_op(("file.bin", op)) == op  # any position
+    assert context_op((plain,)) is None and context_op(()) is None
+
+
+def test_routers_of_one_deployment_in_a_process_share_their_maps():
+    # The real router class, constructed as Serve constructs it (no Ray started).
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from deployments.affinity_router import AffinityRouter
+
+    def router(name: str) -> AffinityRouter:
+        r = AffinityRouter(
+            deployment_id=DeploymentID(name=name, app_name="test-affinity"),
+            handle_source=DeploymentHandleSource.REPLICA,
+            self_node_id="node",
+            prefer_local_node_routing=False,
+            prefer_local_az_routing=False,
+            self_availability_zone=None,
+            use_replica_queue_len_cache=True,
+        )
+        r.initialize_state(routing={"max_imbalance": 3}, block_size=8)
+        return r
+
+    a, b, other = router("ModelServer:a"), router("ModelServer:a"), router("ModelServer:b")
+    assert a.routing.max_imbalance == 3 and a.prefixes.block_size == 8
+    assert a.pins is b.pins and a.prefixes is b.prefixes
+    assert a.pins is not other.pins  # context ids may repeat across models
