@@ -301,9 +301,9 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from bench.serve_overhead import wait_healthy
     from deployments.builder import build_app
     from deployments.config import AppConfig
-    from bench.serve_overhead import wait_healthy
 
     slots = tempfile.mkdtemp(prefix="shoal-abuse-slots-")
     config = AppConfig.model_validate({"models": [{"slot_save_path": slots}]})

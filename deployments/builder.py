@@ -3,20 +3,18 @@
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
+from deployments.affinity_router import AffinityRouter
 from deployments.config import AppArgs, AppConfig, ModelDeploymentConfig
+from deployments.embeddings import EmbedderDeployment
+from deployments.ingress_app import IngressDeployment
+from deployments.model_server import ModelServerDeployment
+from deployments.registry import RegistryDeployment
+from deployments.tokenizer import TokenizerDeployment
 
 
 def build_app(config: AppConfig) -> Application:
-    from ray.serve.config import RequestRouterConfig
-
-    from deployments.affinity_router import AffinityRouter
-    from deployments.embeddings import EmbedderDeployment
-    from deployments.ingress import make_ingress
-    from deployments.model_server import ModelServerDeployment
-    from deployments.registry import RegistryDeployment
-    from deployments.tokenizer import TokenizerDeployment
-
     registry = RegistryDeployment.options(
         ray_actor_options={"num_cpus": config.tokenizer_num_cpus / 4}
     ).bind()
@@ -49,19 +47,14 @@ def build_app(config: AppConfig) -> Application:
             max_ongoing_requests=config.embeddings.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.embeddings.num_cpus},
         ).bind(config.embeddings)
-    return (
-        make_ingress(config)
-        .options(
-            num_replicas=config.ingress_replicas,
-            max_ongoing_requests=config.ingress_max_ongoing_requests,
-            # Streams pass through the ingress: a stopping ingress gives them as long as the
-            # slowest model's replicas give theirs.
-            graceful_shutdown_timeout_s=5
-            + max(m.graceful_shutdown_timeout_s for m in config.models),
-            ray_actor_options={"num_cpus": config.ingress_num_cpus},
-        )
-        .bind(tokenizer, models, embedder, registry)
-    )
+    return IngressDeployment.options(
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        # Streams pass through the ingress: a stopping ingress gives them as long as the
+        # slowest model's replicas give theirs.
+        graceful_shutdown_timeout_s=5 + max(m.graceful_shutdown_timeout_s for m in config.models),
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+    ).bind(config, tokenizer, models, embedder, registry)
 
 
 def replica_count(m: ModelDeploymentConfig) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from deployments.config import EmbeddingsConfig
 from app.protocol.errors import ModelLoadError
+from deployments.config import EmbeddingsConfig
 
 
 def default_embedding_path() -> Path:

@@ -1,4 +1,6 @@
-"""Every error leaves the ingress in OpenAI's shape; this is the one place that maps them."""
+"""The one place where errors become responses: OpenAI's shape everywhere but under
+/api/ (Ollama's). Routes raise (a ShoalError, a validation error); they never build error
+JSON themselves. Streams use the same bodies for their error events (`error_body`)."""
 
 import logging
 
@@ -8,7 +10,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.protocol.errors import ShoalError
-from deployments.generation import StreamError
 
 logger = logging.getLogger("ray.serve")
 
@@ -23,6 +24,28 @@ _TYPES = {
 }
 
 
+def openai_body(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
+) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type or _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_body(exc: ShoalError) -> dict:
+    """OpenAI's error object for a ShoalError (also a stream's error event)."""
+    return openai_body(exc.status_code, exc.message, exc.param, exc.code, exc.error_type)
+
+
 def openai_error(
     status: int,
     message: str,
@@ -31,21 +54,8 @@ def openai_error(
     error_type: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": error_type or _TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+    body = openai_body(status, message, param, code, error_type)
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The replica's own error inside Ray's RayTaskError, when there is one."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
 
 
 def is_ollama(request: Request) -> bool:
@@ -79,12 +89,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             request, exc.status_code, exc.message, exc.param, exc.code, exc.error_type, headers
         )
-
-    @app.exception_handler(StreamError)
-    async def _stream(request: Request, exc: StreamError) -> JSONResponse:
-        # A non-streamed request whose generation failed after it started.
-        e = exc.error
-        return error_response(request, e.status_code, e.message, e.param, error_type=e.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

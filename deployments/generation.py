@@ -1,17 +1,21 @@
-"""From a model replica's token deltas to text: per-output detokenization, stop strings,
-usage counts and logprobs. Used by every dialect's routes.
+"""One request in flight, from a model replica's token deltas to text: per-output
+detokenization, stop strings, usage counts and logprobs. Every dialect's routes use it,
+through `Ingress.generate` (which also times and counts it).
 
 A Generation owns its replica call from start to end: however its consumer stops (done,
 an error, the client gone, the task cancelled while it waits for the first token or
 anywhere after), the call is cancelled, and with it the request in the engine. A request
 whose replica turns out dead before its first token is sent again (the router has
 dropped that replica by then), unless it names a context, which died with the replica.
+
+One failure, one type: a refusal before the first token and a failure after it are both
+a ShoalError (RemoteError for what the replica reported), which the error handler maps
+to the dialect's JSON and a stream body to the dialect's error event.
 """
 
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +23,12 @@ from typing import Any
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from app.protocol.errors import OverloadedError, RemoteError
-from app.protocol.messages import ContextOp, EngineErrorMessage, EngineRequest
+from app.protocol.errors import OverloadedError, RemoteError, ShoalError
+from app.protocol.messages import EngineErrorMessage, EngineRequest
 from app.protocol.outputs import TokenDelta, TokenLogprob
-from app.protocol.sampling import SamplingParams
 from app.text.detokenizer import IncrementalDetokenizer
 from app.text.stop import StopStrings
+from deployments.metrics import TokenTimer
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,8 +38,8 @@ RETRY_PAUSE_S = 0.5
 ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
-def replica_failure(exc: Exception) -> EngineErrorMessage:
-    """The error event for a stream whose replica call failed."""
+def replica_failure(exc: Exception) -> RemoteError:
+    """The error of a request whose replica call failed."""
     if isinstance(exc, RayActorError):  # stopped (shutdown, update), crashed, node lost
         message = (
             "the model replica serving this request stopped before it finished (it was shut "
@@ -43,7 +47,11 @@ def replica_failure(exc: Exception) -> EngineErrorMessage:
         )
     else:
         message = f"the model replica failed: {type(exc).__name__}: {exc}"
-    return EngineErrorMessage(503, "service_unavailable", message)
+    return RemoteError(503, "service_unavailable", message, None)
+
+
+def as_error(message: EngineErrorMessage) -> RemoteError:
+    return RemoteError(message.status_code, message.error_type, message.message, message.param)
 
 
 def cancel_call(stream: Any) -> None:
@@ -62,21 +70,21 @@ def cancel_call(stream: Any) -> None:
         sent.result().cancel()
 
 
-class StreamError(Exception):
-    def __init__(self, error: EngineErrorMessage) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 @dataclass
 class OutputState:
+    """One of the request's `n` outputs so far."""
+
     index: int
     detok: IncrementalDetokenizer
     stops: StopStrings
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -89,84 +97,53 @@ class TextDelta:
 
 
 class Generation:
-    """One request in flight: iterate `deltas()` for text pieces; `outputs` fill up."""
+    """Iterate `deltas()` for text pieces, or `drain()`; `outputs` fill up either way."""
 
     def __init__(
         self,
         handle: Any,
         tokenizer: Any,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        request: EngineRequest,
         stop: list[str],
-        request_id: str | None = None,
-        timer: Any = None,
-        context: ContextOp | None = None,
+        timer: TokenTimer,
         detok_prefix: list[int] | None = None,
     ) -> None:
-        """`detok_prefix`: the tokens the text continues (default: the prompt)."""
-        self.request_id = request_id or uuid.uuid4().hex
+        """`handle`: the model's streaming handle. `detok_prefix`: the tokens the text
+        continues (default: the prompt)."""
+        self.request_id = request.request_id
         self.created = int(time.time())
-        self.prompt_ids = prompt_ids
-        self.params = params
+        self.prompt_ids = request.prompt_token_ids
+        self.params = request.params
+        prefix = self.prompt_ids if detok_prefix is None else detok_prefix
         self.outputs = [
-            OutputState(
-                i,
-                IncrementalDetokenizer(
-                    tokenizer, prompt_ids if detok_prefix is None else detok_prefix
-                ),
-                StopStrings(stop),
-            )
-            for i in range(params.n)
+            OutputState(i, IncrementalDetokenizer(tokenizer, prefix), StopStrings(stop))
+            for i in range(request.params.n)
         ]
         self._handle = handle
-        self._request = EngineRequest(self.request_id, prompt_ids, params, context)
-        self._stream = handle.generate.remote(self._request)
-        self._first: TokenDelta | EngineErrorMessage | None = None
-        self._timer = timer  # TokenTimer or None
-        self.first_token_at: float | None = None  # perf_counter of the first token
+        self._request = request
+        self._stream = handle.generate.remote(request)
+        self._first: TokenDelta | None = None
+        self._timer = timer
         self.cached_tokens = 0  # prompt tokens the replica found in its prefix cache
 
     @property
     def completion_tokens(self) -> int:
         return sum(o.num_tokens for o in self.outputs)
 
-    async def start_or_raise(self) -> None:
-        """`start`, with an engine's refusal raised as the ShoalError it was."""
-        try:
-            await self.start()
-        except StreamError as exc:
-            e = exc.error
-            raise RemoteError(e.status_code, e.error_type, e.message, e.param) from None
+    @property
+    def first_token_at(self) -> float | None:
+        """perf_counter of the first token, once it came."""
+        return self._timer.first_at
 
     async def start(self) -> None:
-        """Wait for the first item so that a refusal becomes a proper HTTP error."""
+        """Wait for the first item, so that a refusal is raised (as a ShoalError) before
+        any byte of the response is sent."""
         try:
-            for attempt in range(RETRIES_BEFORE_FIRST_TOKEN + 1):
-                last = attempt == RETRIES_BEFORE_FIRST_TOKEN
-                try:
-                    self._first = await self._stream.__anext__()
-                except RayActorError as exc:  # the chosen replica died before its first token
-                    if last or self._request.context is not None:
-                        raise StreamError(replica_failure(exc)) from exc
-                    logger.warning("request %s: replica lost, sending it again", self.request_id)
-                else:
-                    first = self._first
-                    if not (
-                        isinstance(first, EngineErrorMessage)
-                        and first.error_type == ENGINE_UNAVAILABLE
-                        and not last
-                        and self._request.context is None
-                    ):
-                        break
-                    logger.warning(
-                        "request %s: %s; sending it again", self.request_id, first.message
-                    )
-                # By then the dead replica has left and the router has dropped it.
-                await asyncio.sleep(RETRY_PAUSE_S * (attempt + 1))
-                self._stream = self._handle.generate.remote(self._request)
+            first = await self._first_item()
         except BackPressureError as exc:
             # Serve installs its own plain-text handler for this error in the ingress app,
             # so it is turned into ours here, where the handle call is made.
+            self.cancel()
             raise OverloadedError(
                 f"model is overloaded: {exc.message} Retry later.",
                 exc.status_code,
@@ -175,11 +152,40 @@ class Generation:
         except BaseException:  # cancelled while waiting (client gone), or refused
             self.cancel()
             raise
-        if isinstance(self._first, EngineErrorMessage):
-            raise StreamError(self._first)
+        if isinstance(first, EngineErrorMessage):
+            self.cancel()
+            raise as_error(first)
+        self._first = first
+
+    async def _first_item(self) -> TokenDelta | EngineErrorMessage:
+        retryable = self._request.context is None
+        for attempt in range(RETRIES_BEFORE_FIRST_TOKEN + 1):
+            last = attempt == RETRIES_BEFORE_FIRST_TOKEN or not retryable
+            try:
+                first = await self._stream.__anext__()
+            except RayActorError as exc:  # the chosen replica died before its first token
+                if last:
+                    raise replica_failure(exc) from exc
+                logger.warning("request %s: replica lost, sending it again", self.request_id)
+            else:
+                unavailable = (
+                    isinstance(first, EngineErrorMessage) and first.error_type == ENGINE_UNAVAILABLE
+                )
+                if not unavailable or last:
+                    return first
+                logger.warning("request %s: %s; sending it again", self.request_id, first.message)
+            # By then the dead replica has left and the router has dropped it.
+            await asyncio.sleep(RETRY_PAUSE_S * (attempt + 1))
+            self._stream = self._handle.generate.remote(self._request)
+        raise AssertionError("unreachable")
 
     def cancel(self) -> None:
         cancel_call(self._stream)
+
+    async def drain(self) -> None:
+        """Run to the end (non-streamed responses read `outputs` after)."""
+        async for _ in self.deltas():
+            pass
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Text pieces until every output ends; the replica call is cancelled however
@@ -192,39 +198,44 @@ class Generation:
                 self.cancel()
 
     async def _text_deltas(self) -> AsyncIterator[TextDelta]:
-        items = self._items()
-        async for item in items:
+        async for item in self._items():
             if isinstance(item, EngineErrorMessage):
-                raise StreamError(item)
+                raise as_error(item)
             out = self.outputs[item.index]
             if out.finish_reason is not None:
                 continue  # already cut by a stop string
-            out.num_tokens += len(item.token_ids)
+            out.token_ids.extend(item.token_ids)
             self.cached_tokens = max(self.cached_tokens, item.num_cached_tokens)
-            if self.first_token_at is None and item.token_ids:
-                self.first_token_at = time.perf_counter()
-            if self._timer is not None and item.token_ids:
+            if item.token_ids:
                 self._timer.tokens(len(item.token_ids))
-            text = out.stops.feed(out.detok.add(item.token_ids))
-            lps = list(item.logprobs or ())
-            out.logprobs.extend(lps)
-            reason = None
-            if out.stops.stopped:
-                reason = "stop"
-            elif item.finish_reason is not None:
-                text += out.stops.feed(out.detok.flush())
-                text += out.stops.flush()
-                reason = "stop" if out.stops.stopped else item.finish_reason.value
-                if reason == "abort":
-                    reason = "stop"
-            out.text += text
-            if reason is not None:
-                out.finish_reason = reason
-            if text or reason or lps:
-                yield TextDelta(item.index, text, lps, reason, item.token_ids)
+            delta = self._advance(out, item)
+            if delta is not None:
+                yield delta
             if all(o.finish_reason is not None for o in self.outputs):
                 self.cancel()  # stop strings ended every output: free the engine's blocks
                 return
+
+    @staticmethod
+    def _advance(out: OutputState, item: TokenDelta) -> TextDelta | None:
+        """Feed one delta through the detokenizer and stop strings."""
+        text = out.stops.feed(out.detok.add(item.token_ids))
+        lps = list(item.logprobs or ())
+        out.logprobs.extend(lps)
+        reason = None
+        if out.stops.stopped:
+            reason = "stop"
+        elif item.finish_reason is not None:
+            text += out.stops.feed(out.detok.flush())
+            text += out.stops.flush()
+            reason = "stop" if out.stops.stopped else item.finish_reason.value
+            if reason == "abort":
+                reason = "stop"
+        out.text += text
+        if reason is not None:
+            out.finish_reason = reason
+        if text or reason or lps:
+            return TextDelta(out.index, text, lps, reason, item.token_ids)
+        return None
 
     async def _items(self) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
         if self._first is not None:
@@ -235,6 +246,8 @@ class Generation:
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             raise
+        except ShoalError:
+            raise
         except Exception as exc:  # the replica died mid-stream, or its call failed
             logger.warning("request %s: stream from its replica broke: %r", self.request_id, exc)
-            raise StreamError(replica_failure(exc)) from exc
+            raise replica_failure(exc) from exc

@@ -1,73 +1,39 @@
-"""Ingress: the FastAPI app. Validates, routes by `model`, formats; no model work here."""
+"""Ingress: what every route needs, as one typed object the routes receive.
 
-import logging
+It holds the handles of the other deployments, the models' tokenizers (for decoding in
+this process), the metrics, and the one way to start a generation (`generate`: always
+timed and counted). Routes get it as a FastAPI dependency (`IngressDep`) from the app's
+state, so a route can run in-process over local deployments (tests) as well as in a
+Serve replica (deployments/ingress_app.py). No model work happens here.
+"""
+
 import time
-from typing import Any
+import uuid
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Response
-from fastapi.middleware.cors import CORSMiddleware
-from ray import serve
+from fastapi import Depends, Request
 
-from deployments.config import AppConfig
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer
 from app.protocol.errors import ShoalError
-from deployments.errors import install_error_handlers
-from deployments.metrics import IngressMetrics
-from deployments.request_guard import RequestGuard
-from deployments.routes.llamacpp import build_router as build_llamacpp_router
-from deployments.routes.ollama import build_router as build_ollama_router
-from deployments.routes.openai import build_router
-from deployments.routes.parrot import build_router as build_parrot_router
-
-logger = logging.getLogger("ray.serve")
+from app.protocol.messages import ContextOp, EngineRequest
+from app.protocol.outputs import EngineInfo
+from app.protocol.sampling import SamplingParams
+from deployments.config import AppConfig, ModelDeploymentConfig
+from deployments.generation import Generation
+from deployments.metrics import IngressMetrics, TokenTimer
 
 
 class UnknownModelError(ShoalError):
     status_code = 404
     error_type = "not_found_error"
+    code = "model_not_found"
 
 
-def create_app(config: AppConfig, get_ingress: Any) -> FastAPI:
-    app = FastAPI(title="Shoal", docs_url=None, redoc_url=None)
-    app.include_router(build_router(get_ingress))
-    app.include_router(build_parrot_router(get_ingress))
-    app.include_router(build_llamacpp_router(get_ingress))
-    app.include_router(build_ollama_router(get_ingress))
-    install_error_handlers(app)
-
-    def observe(scope: dict, status: int, seconds: float) -> None:
-        ingress = get_ingress_or_none()
-        if ingress is not None:  # label by route template, never by raw path (cardinality)
-            label = getattr(scope.get("route"), "path", "unmatched")
-            ingress.metrics.requests.labels(label, str(status)).inc()
-        # Serve's proxy returns the same id as X-Request-Id on every response.
-        headers = dict(scope.get("headers", ()))
-        logger.info(
-            "%s %s %s %d %.1fms",
-            headers.get(b"x-request-id", b"-").decode("latin-1"),
-            scope.get("method"),
-            scope.get("path"),
-            status,
-            1000 * seconds,
-        )
-
-    app.add_middleware(RequestGuard, config=config, observe=observe)
-    if config.cors_origins:  # outermost: preflights and 401s carry CORS headers
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=config.cors_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        ingress = get_ingress()
-        await ingress.refresh_replica_stats()
-        return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app
+def unwrap(exc: BaseException) -> BaseException:
+    """The replica's own error inside Ray's RayTaskError, when there is one."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
 
 
 class Ingress:
@@ -76,75 +42,96 @@ class Ingress:
         config: AppConfig,
         tokenizer: Any,
         models: dict[str, Any],
-        embedder: Any,
+        embedder: Any = None,
         registry: Any = None,
     ) -> None:
+        """`tokenizer`, `models` (name -> ModelServer handle), `embedder` and `registry`
+        are Serve deployment handles (or objects with their call surface)."""
         self.config = config
-        self.registry = registry
         self.tokenizer = tokenizer
-        # Configured once and cached: per-request .options() is slow.
-        self.models = {name: h.options(stream=True) for name, h in models.items()}
         self.embedder = embedder
+        self.registry = registry
+        # Configured once and cached: per-request .options() is slow.
+        self._streams = {name: h.options(stream=True) for name, h in models.items()}
+        self._calls = models
         self.tokenizers = {
             m.name: load_tokenizer(resolve_model(m.engine.model)) for m in config.models
         }
+        self._info: dict[str, EngineInfo] = {}
         self.created = int(time.time())
         self.metrics = IngressMetrics()
-        self.model_calls = models  # plain (unary) handles: stats, contexts
 
-    async def refresh_replica_stats(self) -> dict[str, dict]:
-        """A replica's stats per model (one replica each: the handle picks it)."""
-        fresh = {}
-        for name, handle in self.model_calls.items():
-            try:
-                stats = await handle.stats.remote()
-            except Exception:  # a replica being replaced: report what we have
-                continue
-            self.metrics.set_replica_stats(name, str(stats.get("replica", "0")), stats)
-            fresh[name] = stats
-        return fresh
+    # ---- models -------------------------------------------------------------------
+    def model(self, name: str) -> ModelDeploymentConfig:
+        """A served generative model's config; UnknownModelError (404) otherwise."""
+        config = self.config.model(name)
+        if config is None:
+            raise UnknownModelError(f"The model '{name}' does not exist", param="model")
+        return config
 
     def default_model(self, name: str | None) -> str:
         """`name` when it is served; the first configured model when None."""
-        if name is None:
-            return self.config.models[0].name
-        self.require_model(name)
-        return name
+        return self.config.models[0].name if name is None else self.model(name).name
 
-    def require_model(self, name: str) -> None:
-        if name not in self.models:
-            raise UnknownModelError(f"The model '{name}' does not exist", param="model")
+    def embedding_models(self) -> list[str]:
+        return [self.config.embeddings.name] if self.embedder is not None else []
 
-    def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "shoal"}
+    async def info(self, model: str) -> EngineInfo:
+        """What the model's engine reported at start-up (the same for every replica)."""
+        if model not in self._info:
+            self._info[model] = await self.call(model, "info")
+        return self._info[model]
+
+    # ---- calls --------------------------------------------------------------------
+    async def generate(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        tag: str,
+        context: ContextOp | None = None,
+        detok_prefix: list[int] | None = None,
+    ) -> Generation:
+        """Start a generation and wait for its first token; a refusal raises (ShoalError).
+        `tag` (the HTTP request id) starts the engine's request id, so every hop's logs
+        share it; the suffix keeps it unique when a client reuses an id."""
+        self.model(model)
+        request = EngineRequest(f"{tag}.{uuid.uuid4().hex[:8]}", list(prompt_ids), params, context)
+        timer = TokenTimer(self.metrics, model, len(prompt_ids))
+        gen = Generation(
+            self._streams[model], self.tokenizers[model], request, stop, timer, detok_prefix
+        )
+        await gen.start()
+        return gen
+
+    async def call(self, model: str, method: str, *args: Any) -> Any:
+        """A unary call on the model's replicas; the replica's error is raised as itself."""
+        self.model(model)
+        try:
+            return await getattr(self._calls[model], method).remote(*args)
+        except Exception as exc:
+            raise unwrap(exc) from None
+
+    async def engines(self) -> list[dict]:
+        """The live replicas and their last heartbeat (see EngineRegistry)."""
+        return [] if self.registry is None else await self.registry.list.remote()
+
+    async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.tokenizer.encode.remote(model, text, add_special_tokens)
+
+    async def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
+        return await self.tokenizer.encode_chat.remote(model, messages)
 
 
-_replica: list[Ingress] = []  # this process's ingress replica (one per Ray actor)
+def ingress_of(request: Request) -> Ingress:
+    return request.app.state.ingress
 
 
-def current_ingress() -> Ingress:
-    return _replica[0]
+def request_tag(request: Request) -> str:
+    """The HTTP request's id (Serve's proxy sets X-Request-Id), or a fresh one."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
-def get_ingress_or_none() -> Ingress | None:
-    return _replica[0] if _replica else None
-
-
-def register_replica(ingress: Ingress) -> None:
-    _replica[:] = [ingress]
-
-
-def make_ingress(config: AppConfig):  # noqa: ANN201 (a Serve deployment class)
-    # Module-level functions travel to the replica by reference, so the routes and the
-    # replica meet in that process's copy of this module.
-    app = create_app(config, current_ingress)
-
-    @serve.ingress(app)
-    class ShoalIngress(Ingress):
-        def __init__(
-            self, tokenizer: Any, models: dict[str, Any], embedder: Any, registry: Any = None
-        ) -> None:
-            super().__init__(config, tokenizer, models, embedder, registry)
-            register_replica(self)
-
-    return serve.deployment(ShoalIngress, name="Ingress")
+IngressDep = Annotated[Ingress, Depends(ingress_of)]
+RequestTag = Annotated[str, Depends(request_tag)]

@@ -39,27 +39,39 @@ class IngressMetrics:
             "shoal_kv_cache_usage_ratio", "KV blocks in use / total", labels, registry=r
         )
 
-    def set_replica_stats(self, model: str, replica: str, stats: dict) -> None:
-        self.running.labels(model, replica).set(stats["num_running"])
-        self.waiting.labels(model, replica).set(stats["num_waiting"])
-        self.kv_usage.labels(model, replica).set(stats["kv_usage"])
+    def set_replicas(self, engines: list[dict]) -> None:
+        """Every live replica's figures, from the registry's last heartbeats; replicas that
+        are gone leave the gauges."""
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.clear()
+        for engine in engines:
+            info = engine["runtime_info"]
+            if not info:
+                continue  # registered, no heartbeat yet
+            labels = (engine["engine_name"], engine["engine_id"])
+            self.running.labels(*labels).set(info["num_running"])
+            self.waiting.labels(*labels).set(info["num_waiting"])
+            self.kv_usage.labels(*labels).set(info["kv_usage"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class TokenTimer:
-    """Feeds TTFT and inter-token latency of one request."""
+    """Counts one request's tokens and feeds its TTFT and inter-token latency."""
 
-    def __init__(self, metrics: IngressMetrics, model: str) -> None:
+    def __init__(self, metrics: IngressMetrics, model: str, prompt_tokens: int) -> None:
         self.metrics, self.model = metrics, model
         self.started = time.perf_counter()
+        self.first_at: float | None = None
         self.last: float | None = None
+        metrics.prompt_tokens.labels(model).inc(prompt_tokens)
 
     def tokens(self, count: int) -> None:
         now = time.perf_counter()
         self.metrics.generated_tokens.labels(self.model).inc(count)
         if self.last is None:
+            self.first_at = now
             self.metrics.ttft.labels(self.model).observe(now - self.started)
         elif count:
             self.metrics.itl.labels(self.model).observe((now - self.last) / count)

@@ -1,10 +1,14 @@
-"""ModelServer: one replica = one engine (in its own process); streams token deltas back to
-the ingress."""
+"""ModelServer: one replica = one engine (its step loop in its own process, its shards in
+its placement group); a thin shim that streams the engine's token deltas to the ingress.
+
+Every method speaks the neutral protocol (EngineRequest, ContextOp, SlotInfo,
+ContextFile); no dialect's names or JSON here. A method that names a context takes its
+ContextOp, which is what the request router reads to send it to the right replica.
+"""
 
 import asyncio
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -13,55 +17,55 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.util import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import ModelDeploymentConfig
 from app.engine import slot_files
-from app.engine.async_engine import EngineDeadError, EngineUnavailableError
+from app.engine.client import EngineClient, EngineDeadError, EngineUnavailableError
 from app.engine.engine_process import EngineProcess
 from app.engine.pacing import StreamPacer
-from app.protocol.errors import (
-    InvalidRequestError,
-    NotImplementedByServerError,
-    RemoteError,
-    ShoalError,
-)
-from app.protocol.messages import EngineErrorMessage, EngineRequest
-from app.protocol.outputs import TokenDelta
+from app.protocol.errors import NotImplementedByServerError, ShoalError
+from app.protocol.messages import ContextOp, EngineErrorMessage, EngineRequest
+from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, TokenDelta
+from deployments.config import ModelDeploymentConfig
 from deployments.generation import ENGINE_UNAVAILABLE
 from deployments.registry import HEARTBEAT_S, runtime_info
-from deployments.shard_actor import ShardActor
+from deployments.shard_actor import ShardGroup
 
 logger = logging.getLogger("ray.serve")
 
-SHARD_NAMESPACE = "shoal-shards"
 EXIT_AFTER_ENGINE_DEATH_S = 0.3
-SLOT_IO_TIMEOUT_S = 600.0
 
 
-def slot_context(slot_id: int) -> str:
-    """The context that holds llama.cpp slot `slot_id`'s tokens and KV."""
-    return f"slot-{slot_id}"
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a Serve replica (in-process tests)
+        return "local"
 
 
 class ModelServer:
-    def __init__(self, config: ModelDeploymentConfig, registry: Any = None) -> None:
+    def __init__(
+        self,
+        config: ModelDeploymentConfig,
+        registry: Any = None,
+        engine: EngineClient | None = None,
+    ) -> None:
+        """`engine`: an engine already running (in-process tests); by default the replica
+        starts its own EngineProcess (and, with tensor parallelism, its shards)."""
         self.config = config
-        # The step loop runs in a child process with its own thread count (Ray sets
-        # OMP_NUM_THREADS to num_cpus here), so this process's event loop, which handles
-        # every token of every stream, never holds the GIL against it.
-        self.shards: list = []  # ShardActor handles, ranks 1..N-1
-        self.shard_names: list[str] = []
-        self.shard_runs: list = []
-        master = self._start_shards() if config.engine.tensor_parallel_size > 1 else None
-        try:
-            self.engine = EngineProcess(config.engine, tp_master=master, on_death=self._engine_died)
-        except BaseException:
-            self._stop_shards()
-            raise
+        self.replica_id = _replica_id()
+        self.shards = ShardGroup(config, self.replica_id)
+        if engine is None:
+            master = self.shards.start() if config.engine.tensor_parallel_size > 1 else None
+            try:
+                # The step loop runs in a child process with its own thread count, so this
+                # process's event loop, which handles every token of every stream, never
+                # holds the GIL against it.
+                engine = EngineProcess(config.engine, tp_master=master, on_death=self._engine_died)
+            except BaseException:
+                self.shards.stop()
+                raise
+        self.engine: EngineClient = engine
         self.pacer = StreamPacer(config.stream_messages_per_s)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._stopping = threading.Event()
         if registry is not None:
             threading.Thread(
@@ -89,7 +93,7 @@ class ModelServer:
                         self.replica_id, self.config.name, engine, node
                     ).result(timeout_s=10)
                     registered = True
-                stats = asyncio.run(self.engine.call("stats"))
+                stats = asyncio.run(self.engine.stats())
                 now = time.monotonic()
                 info = runtime_info(stats, previous, now - last)
                 previous, last = stats, now
@@ -98,19 +102,17 @@ class ModelServer:
                 logger.debug("heartbeat failed: %s", exc)
             self._stopping.wait(HEARTBEAT_S)
 
+    # ---- generation -----------------------------------------------------------------
     async def generate(
         self, request: EngineRequest
     ) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
         """Yields the first delta as soon as the engine produces it; later ones are paced
-        by the replica's message budget (see StreamPacer)."""
+        by the replica's message budget (see StreamPacer). A failure is the last item."""
         logger.info(
             "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
         try:
-            deltas = self.engine.generate(
-                request.request_id, request.prompt_token_ids, request.params, request.context
-            )
-            async for delta in self.pacer.pace(deltas):
+            async for delta in self.pacer.pace(self.engine.generate(request)):
                 yield delta
         except ShoalError as exc:
             yield EngineErrorMessage(exc.status_code, exc.error_type, exc.message, exc.param)
@@ -122,108 +124,52 @@ class ModelServer:
             logger.exception("request %s failed", request.request_id)
             yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")
 
-    async def free_context(self, context_id: str) -> int:
-        """Drop a context; returns how many tokens it held."""
-        return await self.engine.call("free_context", context_id)
+    # ---- contexts -------------------------------------------------------------------
+    async def context_tokens(self, op: ContextOp) -> list[int]:
+        return await self.engine.context_tokens(op.context_id)
 
-    async def slot_action(self, action: str, slot_id: int, filename: str | None) -> dict:
-        """llama.cpp's POST /slots/{id}?action=save|restore|erase on context slot-{id}."""
-        max_slots = self.config.engine.max_num_seqs
-        if not 0 <= slot_id < max_slots:
-            raise InvalidRequestError(f"id_slot must be in [0, {max_slots})", "id_slot")
-        context_id = slot_context(slot_id)
-        if action == "erase":
-            try:
-                n = await self.free_context(context_id)
-            except RemoteError as exc:
-                if exc.status_code != 404:
-                    raise
-                n = 0  # an empty slot: nothing to erase
-            return {"id_slot": slot_id, "n_erased": n}
+    async def free_context(self, op: ContextOp) -> int:
+        """Drop a context; returns how many tokens it held."""
+        return await self.engine.free_context(op.context_id)
+
+    async def save_context(self, op: ContextOp, filename: str) -> ContextFile:
+        """Write the context's tokens and KV to `filename` in the model's slot_save_path
+        (off the engine's step loop), within the directory's quota."""
+        path = self._slot_file(filename)
+        quota = self.config.slot_save_quota_bytes
+        return await self.engine.save_context(op.context_id, str(path), quota)
+
+    async def restore_context(self, op: ContextOp, filename: str) -> ContextFile:
+        return await self.engine.restore_context(op.context_id, str(self._slot_file(filename)))
+
+    def _slot_file(self, filename: str) -> Path:
         if self.config.slot_save_path is None:
             raise NotImplementedByServerError(
                 "slot save and restore are off: set slot_save_path in the model's config"
             )
         directory = Path(self.config.slot_save_path)
-        path = slot_files.checked_path(directory, filename or "")
+        path = slot_files.checked_path(directory, filename)
         directory.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        # Slot files can be large: the engine writes and reads them off its step loop.
-        if action == "save":
-            quota = self.config.slot_save_quota_bytes
-            result = await self.engine.call(
-                "save_context", context_id, str(path), quota, timeout_s=SLOT_IO_TIMEOUT_S
-            )
-        else:
-            result = await self.engine.call(
-                "restore_context", context_id, str(path), timeout_s=SLOT_IO_TIMEOUT_S
-            )
-        ms = 1000 * (time.perf_counter() - started)
-        return {
-            "id_slot": slot_id,
-            "filename": path.name,
-            **result,
-            "timings": {f"{action}_ms": ms},
-        }
+        return path
 
-    def info(self) -> dict:
-        """What the engine reported at start-up: model, max_model_len."""
-        return dict(self.engine.info)
+    # ---- state ----------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return self.engine.info
 
-    async def slots(self) -> list[dict]:
-        return await self.engine.call("slots")
-
-    async def context_tokens(self, context_id: str) -> list[int]:
-        return await self.engine.call("context_tokens", context_id)
+    async def slots(self) -> list[SlotInfo]:
+        return await self.engine.slots()
 
     async def stats(self) -> dict:
-        stats = await self.engine.call("stats")
-        stats["engine_pid"] = self.engine.pid
+        stats = await self.engine.stats()
+        stats["engine_pid"] = getattr(self.engine, "pid", os.getpid())
         stats["tensor_parallel_size"] = self.config.engine.tensor_parallel_size
-        stats["shards"] = list(self.shard_names)  # named actors in SHARD_NAMESPACE
-        stats["replica"] = serve.get_replica_context().replica_id.unique_id
+        stats["shards"] = list(self.shards.names)  # named actors in SHARD_NAMESPACE
+        stats["replica"] = self.replica_id
         return stats
 
     def check_health(self) -> None:
         self.engine.check_health(stalled_after_s=self.config.stall_timeout_s)
-        ended, _ = ray.wait(self.shard_runs, timeout=0) if self.shard_runs else ([], None)
-        if ended:  # a shard's loop only ends with its replica: the group is broken
-            raise RuntimeError("a tensor-parallel shard of this replica has stopped")
-
-    # ---- tensor parallelism ---------------------------------------------------------
-    def _start_shards(self) -> str:
-        """Start ranks 1..N-1 in this replica's placement group; returns rank 0's address."""
-        engine = self.config.engine
-        size = engine.tensor_parallel_size
-        group = get_current_placement_group()
-        if group is None:
-            raise RuntimeError("tensor_parallel_size > 1 needs the replica's placement group")
-        with socket.socket() as s:  # rank 0 (our engine process) listens here
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        master = f"{ray.util.get_node_ip_address()}:{port}"
-        replica = serve.get_replica_context().replica_id.unique_id
-        for rank in range(1, size):
-            name = f"{self.config.name}-{replica}-{rank}"
-            self.shard_names.append(name)
-            actor = ShardActor.options(
-                name=name,
-                namespace=SHARD_NAMESPACE,
-                num_cpus=self.config.num_cpus / size,
-                num_gpus=self.config.num_gpus / size,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=rank
-                ),
-            ).remote()
-            self.shards.append(actor)
-            self.shard_runs.append(actor.run.remote(engine.model_dump_json(), rank, master))
-        logger.info("model %s: %d shards, rank 0 at %s", self.config.name, size, master)
-        return master
-
-    def _stop_shards(self) -> None:
-        for actor in self.shards:
-            ray.kill(actor)
-        self.shards.clear()
+        self.shards.check()
 
     def __del__(self) -> None:
         stopping = getattr(self, "_stopping", None)
@@ -232,8 +178,9 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()  # tells the shards to stop too
-        if getattr(self, "shards", None):
-            self._stop_shards()
+        shards = getattr(self, "shards", None)
+        if shards is not None:
+            shards.stop()
 
 
 # Three failed checks in a row replace the replica: a dead engine is gone within ~15 s.

@@ -70,6 +70,7 @@ def runtime_info(stats: dict[str, Any], previous: dict[str, Any] | None, dt: flo
         "num_waiting": stats["num_waiting"],
         "kv_blocks_used": stats["kv_blocks_used"],
         "kv_blocks_free": stats["kv_blocks_free"],
+        "kv_usage": stats["kv_usage"],
         "num_contexts": stats["num_contexts"],
         "tokens_per_s": round(rate, 1),
     }

@@ -4,10 +4,10 @@ from typing import Any
 
 from ray import serve
 
-from deployments.config import ModelDeploymentConfig
 from app.models.source import resolve_model
 from app.models.tokenizer import chat_token_ids, load_tokenizer
 from app.protocol.errors import InvalidRequestError
+from deployments.config import ModelDeploymentConfig
 
 
 class Tokenizer:

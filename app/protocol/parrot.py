@@ -11,7 +11,9 @@ from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 ContextId = Annotated[StrictInt, Field(ge=0, le=MAX_SEED)]
 
 
-class Primitive(BaseModel):
+class PrimitiveRequest(BaseModel):
+    """What every Parrot primitive names: its session, task and context."""
+
     model_config = ConfigDict(extra="forbid")
 
     session_id: ContextId
@@ -21,7 +23,7 @@ class Primitive(BaseModel):
     model: str | None = Field(None, description="Which served model; default: the first.")
 
     @model_validator(mode="after")
-    def _ids(self) -> "Primitive":
+    def _ids(self) -> "PrimitiveRequest":
         if self.parent_context_id is not None and str(self.parent_context_id) == str(
             self.context_id
         ):
@@ -37,7 +39,7 @@ class Primitive(BaseModel):
         return None if self.parent_context_id is None else str(self.parent_context_id)
 
 
-class FillRequest(Primitive):
+class FillRequest(PrimitiveRequest):
     token_ids: list[int] | None = None
     text: str | None = None
 
@@ -85,7 +87,7 @@ class SamplingConfig(BaseModel):
         return check_stop_strings(stops, "sampling_config.stop_str")
 
 
-class GenerateRequest(Primitive):
+class ParrotGenerateRequest(PrimitiveRequest):
     sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
 
 

@@ -1,274 +1,181 @@
 """Ollama's API: /api/generate, /api/chat (NDJSON streams), /api/embed, /api/embeddings,
 /api/tags, /api/show, /api/ps, /api/version, and "Ollama is running" at GET/HEAD /.
 
-Errors come back as {"error": "..."} (see deployments.errors.is_ollama). Durations are
+Errors come back as {"error": "..."} (see deployments.errors). Durations are
 nanoseconds, as Ollama reports them.
 """
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
-from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
-from app.protocol.sampling import MAX_SEED, SamplingParams, sampling_params
-from app.text.go_template import MAX_TEMPLATE_BYTES, TemplateError, render
-from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
-from deployments.generation import Generation, StreamError
-from deployments.routes.openai import start_generation
-from deployments.streaming import GenerationStream
+from app.protocol.ollama import (
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaLegacyEmbedRequest,
+    OllamaRequest,
+    OllamaShowRequest,
+)
+from app.protocol.sampling import SamplingParams
+from app.text.go_template import TemplateError, render
+from deployments.generation import Generation
+from deployments.ingress import Ingress, IngressDep, RequestTag
+from deployments.streaming import ndjson, stream
 
 OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
+WIRE = ndjson(lambda exc: {"error": exc.message})
+
+router = APIRouter()
 
 
-class Options(BaseModel):
-    """Ollama's runtime options that mean something here; others are accepted and ignored
-    (Ollama does the same with options a runner does not use)."""
-
-    model_config = ConfigDict(extra="ignore")
-    num_predict: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: list[str] | str | None = Field(None, max_length=MAX_STOP_STRINGS)
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    num_ctx: int | None = Field(None, ge=1)
+@router.get("/")
+@router.head("/")
+async def root() -> PlainTextResponse:
+    return PlainTextResponse("Ollama is running")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    stream: bool = True
-    format: str | dict | None = None
-    options: Options = Field(default_factory=Options)
-    keep_alive: str | int | float | None = None
-
-    think: bool | str | None = None  # reasoning output: not served yet
+@router.get("/api/version")
+async def version() -> dict:
+    return {"version": OLLAMA_VERSION}
 
 
-class GenerateRequest(_Common):
-    prompt: str = ""
-    system: str | None = None
-    template: str | None = Field(None, max_length=MAX_TEMPLATE_BYTES)
-    raw: bool = False
-    context: list[int] | None = None
-    images: list[str] | None = None  # not served: refused when given
-    suffix: str | None = None  # not served: refused when given
+@router.get("/api/tags")
+async def tags(ingress: IngressDep) -> dict:
+    return {"models": [_entry(ingress, name) for name in _all_models(ingress)]}
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-    images: list[str] | None = None  # not served: refused when given
-    tool_calls: list[dict[str, Any]] | None = None  # not served: refused when given
+@router.get("/api/ps")
+async def ps(ingress: IngressDep) -> dict:
+    expires = "2262-04-11T23:47:16Z"  # never unloaded
+    return {
+        "models": [
+            {**_entry(ingress, name), "expires_at": expires} for name in _all_models(ingress)
+        ]
+    }
 
 
-class ChatRequest(_Common):
-    messages: list[Message] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None  # not served: refused when given
-
-
-class EmbedRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    input: str | list[str]
-
-
-class LegacyEmbedRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    prompt: str
-
-
-class ShowRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    name: str | None = None  # older clients
-
-
-def build_router(get_ingress: Callable[[], Any]) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/")
-    @router.head("/")
-    async def root() -> PlainTextResponse:
-        return PlainTextResponse("Ollama is running")
-
-    @router.get("/api/version")
-    async def version() -> dict:
-        return {"version": OLLAMA_VERSION}
-
-    @router.get("/api/tags")
-    async def tags() -> dict:
-        ingress = get_ingress()
-        names = [m.name for m in ingress.config.models] + _embedding_models(ingress)
-        return {"models": [_model_entry(ingress, name) for name in names]}
-
-    @router.get("/api/ps")
-    async def ps() -> dict:
-        ingress = get_ingress()
-        names = [m.name for m in ingress.config.models] + _embedding_models(ingress)
+@router.post("/api/show")
+async def show(req: OllamaShowRequest, ingress: IngressDep) -> dict:
+    asked = (req.model or req.name or "").removesuffix(":latest")
+    if asked in ingress.embedding_models():
         return {
-            "models": [
-                {**_model_entry(ingress, name), "expires_at": "2262-04-11T23:47:16Z"}
-                for name in names
-            ]
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": _entry(ingress, asked)["details"],
+            "model_info": {"general.architecture": "bert"},
+            "capabilities": ["embedding"],
         }
+    name = _model_name(ingress, req.model or req.name or "")
+    info = await ingress.info(name)
+    return {
+        "modelfile": f"FROM {ingress.model(name).engine.model}",
+        "parameters": f"num_ctx {info.max_model_len}",
+        "template": getattr(ingress.tokenizers[name], "chat_template", None) or "",
+        "details": _entry(ingress, name)["details"],
+        "model_info": {"general.architecture": "llama", "context_length": info.max_model_len},
+        "capabilities": ["completion"],
+    }
 
-    @router.post("/api/show")
-    async def show(req: ShowRequest) -> dict:
-        ingress = get_ingress()
-        asked = req.model or req.name or ""
-        if asked.removesuffix(":latest") in _embedding_models(ingress):
-            entry = _model_entry(ingress, asked.removesuffix(":latest"))
-            return {
-                "modelfile": "",
-                "parameters": "",
-                "template": "",
-                "details": entry["details"],
-                "model_info": {"general.architecture": "bert"},
-                "capabilities": ["embedding"],
-            }
-        name = _model_name(ingress, asked)
-        cfg = ingress.config.model(name)
-        info = await ingress.model_calls[name].info.remote()
-        tokenizer = ingress.tokenizers[name]
-        return {
-            "modelfile": f"FROM {cfg.engine.model}",
-            "parameters": f"num_ctx {info['max_model_len']}",
-            "template": getattr(tokenizer, "chat_template", None) or "",
-            "details": _model_entry(ingress, name)["details"],
-            "model_info": {
-                "general.architecture": "llama",
-                "context_length": info["max_model_len"],
-            },
-        }
 
-    @router.post("/api/generate")
-    async def generate(req: GenerateRequest, request: Request):  # noqa: ANN202
-        ingress = get_ingress()
-        name = _model_name(ingress, req.model, "generate")
-        if req.images or req.suffix:
-            raise InvalidRequestError("images and suffix are not supported by this server")
-        params, stop = await _params(ingress, name, req)
-        started = time.perf_counter()
-        if req.raw or req.template:
-            text = req.prompt
-            if not req.raw:
-                limit = ingress.config.max_request_bytes
-                text = _render(req.template, req.system, req.prompt, limit)
-            ids = await ingress.tokenizer.encode.remote(name, text, False)
-        else:
-            messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
-                {"role": "user", "content": req.prompt}
-            ]
-            ids = await ingress.tokenizer.encode_chat.remote(name, messages)
-        ids = list(req.context or []) + list(ids)
-        gen = await start_generation(ingress, name, ids, params, stop, request)
+@router.post("/api/generate")
+async def generate(req: OllamaGenerateRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+    started = time.perf_counter()
+    name = _model_name(ingress, req.model, "generate")
+    if req.images or req.suffix:
+        raise InvalidRequestError("images and suffix are not supported by this server")
+    params = await _params(ingress, name, req)
+    if req.raw or req.template:
+        text = req.prompt
+        if not req.raw:
+            text = _render(req.template, req.system, req.prompt, ingress.config.max_request_bytes)
+        ids = await ingress.encode(name, text, False)
+    else:
+        system = [{"role": "system", "content": req.system}] if req.system else []
+        ids = await ingress.encode_chat(name, [*system, {"role": "user", "content": req.prompt}])
+    ids = list(req.context or []) + list(ids)
+    gen = await ingress.generate(name, ids, params, req.options.stop_strings, tag)
 
-        def piece(text: str) -> dict:
-            return {"model": req.model, "created_at": _now(), "response": text, "done": False}
+    def piece(text: str) -> dict:
+        return {"model": req.model, "created_at": _now(), "response": text, "done": False}
 
-        def final(out_ids: list[int]) -> dict:
-            return {
-                **piece(""),
-                **_done(gen, ids, started),
-                "context": ids + out_ids,
-            }
+    def final() -> dict:
+        return {**piece(""), **_done(gen, started), "context": ids + gen.outputs[0].token_ids}
 
-        return await _respond(gen, req.stream, piece, final, lambda t: {"response": t})
+    return await _respond(gen, req.stream, piece, final)
 
-    @router.post("/api/chat")
-    async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
-        ingress = get_ingress()
-        name = _model_name(ingress, req.model, "chat")
-        if not req.messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
-        if req.tools or any(m.images or m.tool_calls for m in req.messages):
-            raise InvalidRequestError(
-                "tools, tool calls and images are not supported by this server", "tools"
-            )
-        params, stop = await _params(ingress, name, req)
-        started = time.perf_counter()
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        ids = await ingress.tokenizer.encode_chat.remote(name, messages)
-        gen = await start_generation(ingress, name, ids, params, stop, request)
 
-        def piece(text: str) -> dict:
-            return {
-                "model": req.model,
-                "created_at": _now(),
-                "message": {"role": "assistant", "content": text},
-                "done": False,
-            }
-
-        def final(out_ids: list[int]) -> dict:
-            return {**piece(""), **_done(gen, ids, started)}
-
-        return await _respond(
-            gen,
-            req.stream,
-            piece,
-            final,
-            lambda t: {"message": {"role": "assistant", "content": t}},
+@router.post("/api/chat")
+async def chat(req: OllamaChatRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+    started = time.perf_counter()
+    name = _model_name(ingress, req.model, "chat")
+    if not req.messages:
+        raise InvalidRequestError("messages must not be empty", "messages")
+    if req.tools or any(m.images or m.tool_calls for m in req.messages):
+        raise InvalidRequestError(
+            "tools, tool calls and images are not supported by this server", "tools"
         )
+    params = await _params(ingress, name, req)
+    ids = await ingress.encode_chat(
+        name, [{"role": m.role, "content": m.content} for m in req.messages]
+    )
+    gen = await ingress.generate(name, ids, params, req.options.stop_strings, tag)
 
-    @router.post("/api/embed")
-    async def embed(req: EmbedRequest) -> dict:
-        ingress = get_ingress()
-        texts = [req.input] if isinstance(req.input, str) else list(req.input)
-        started = time.perf_counter()
-        vectors, tokens = await _embed(ingress, req.model, texts)
-        elapsed = _ns(time.perf_counter() - started)
-        return {
-            "model": req.model,
-            "embeddings": vectors,
-            "total_duration": elapsed,
-            "load_duration": 0,
-            "prompt_eval_count": tokens,
-        }
+    def piece(text: str) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"model": req.model, "created_at": _now(), "message": message, "done": False}
 
-    @router.post("/api/embeddings")
-    async def embeddings(req: LegacyEmbedRequest) -> dict:
-        vectors, _ = await _embed(get_ingress(), req.model, [req.prompt])
-        return {"embedding": vectors[0]}
+    return await _respond(gen, req.stream, piece, lambda: {**piece(""), **_done(gen, started)})
 
-    return router
+
+@router.post("/api/embed")
+async def embed(req: OllamaEmbedRequest, ingress: IngressDep) -> dict:
+    started = time.perf_counter()
+    texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    vectors, tokens = await _embed(ingress, req.model, texts)
+    return {
+        "model": req.model,
+        "embeddings": vectors,
+        "total_duration": _ns(time.perf_counter() - started),
+        "load_duration": 0,  # the model is always loaded
+        "prompt_eval_count": tokens,
+    }
+
+
+@router.post("/api/embeddings")
+async def embeddings(req: OllamaLegacyEmbedRequest, ingress: IngressDep) -> dict:
+    vectors, _ = await _embed(ingress, req.model, [req.prompt])
+    return {"embedding": vectors[0]}
 
 
 # ---- helpers -----------------------------------------------------------------------------
-def _model_name(ingress: Any, name: str, action: str = "generate") -> str:
+def _model_name(ingress: Ingress, name: str, action: str = "generate") -> str:
     """Ollama names carry a tag; ':latest' is the one every served model has. The
     embedding model is listed too, but only embeds."""
     base = name.removesuffix(":latest")
-    if base in _embedding_models(ingress):
+    if base in ingress.embedding_models():
         raise InvalidRequestError(f'"{name}" does not support {action}', param="model")
     if ingress.config.model(base) is None:
         raise NotFoundError(f"model '{name}' not found", param="model")
     return base
 
 
-def _embedding_models(ingress: Any) -> list[str]:
-    return [ingress.config.embeddings.name] if ingress.embedder is not None else []
+def _all_models(ingress: Ingress) -> list[str]:
+    return [m.name for m in ingress.config.models] + ingress.embedding_models()
 
 
-def _model_entry(ingress: Any, name: str) -> dict:
+def _entry(ingress: Ingress, name: str) -> dict:
     cfg = ingress.config.model(name)
     if cfg is None:  # the embedding model
         family, fmt, level = "bert", "safetensors", "F32"
     else:
         family = "llama"
-        fmt = "gguf" if cfg.engine.model in ("default",) else "safetensors"
+        fmt = "gguf" if cfg.engine.model == "default" else "safetensors"
         level = str(cfg.engine.dtype)
     return {
         "name": f"{name}:latest",
@@ -286,45 +193,17 @@ def _model_entry(ingress: Any, name: str) -> dict:
     }
 
 
-async def _params(ingress: Any, name: str, req: _Common) -> tuple[SamplingParams, list[str]]:
-    if req.think:
-        raise InvalidRequestError(
-            "think (reasoning output) is not supported by this server", "think"
-        )
-    if req.format is not None:
-        raise InvalidRequestError(
-            "format (JSON-constrained output) is not supported yet: Shoal cannot guarantee "
-            "valid JSON, so it refuses rather than return text that may not parse",
-            "format",
-        )
-    o = req.options
-    if o.num_ctx is not None:
-        info = await ingress.model_calls[name].info.remote()
-        if o.num_ctx > info["max_model_len"]:
+async def _params(ingress: Ingress, name: str, req: OllamaRequest) -> SamplingParams:
+    req.refuse_unserved()
+    num_ctx = req.options.num_ctx
+    if num_ctx is not None:
+        limit = (await ingress.info(name)).max_model_len
+        if num_ctx > limit:
             raise InvalidRequestError(
-                f"num_ctx {o.num_ctx} is more than the model's context length "
-                f"{info['max_model_len']}",
+                f"num_ctx {num_ctx} is more than the model's context length {limit}",
                 "options.num_ctx",
             )
-    fields: dict[str, Any] = {
-        "max_tokens": ingress.config.max_tokens_default
-        if o.num_predict is None or o.num_predict < 0
-        else max(o.num_predict, 1),
-        "temperature": 0.8 if o.temperature is None else o.temperature,
-        "top_k": 40 if o.top_k is None else o.top_k,
-        "top_p": 0.9 if o.top_p is None else o.top_p,
-        "min_p": 0.0 if o.min_p is None else o.min_p,
-        "seed": o.seed,
-        "repetition_penalty": 1.1 if o.repeat_penalty is None else o.repeat_penalty,
-        "presence_penalty": o.presence_penalty or 0.0,
-        "frequency_penalty": o.frequency_penalty or 0.0,
-    }
-    names = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
-    params = sampling_params(fields, names, prefix="options.")
-    stop = check_stop_strings(
-        [o.stop] if isinstance(o.stop, str) else list(o.stop or []), "options.stop"
-    )
-    return params, stop
+    return req.options.sampling(ingress.config.max_tokens_default)
 
 
 def _render(template: str | None, system: str | None, prompt: str, max_chars: int) -> str:
@@ -338,52 +217,46 @@ def _render(template: str | None, system: str | None, prompt: str, max_chars: in
         raise InvalidRequestError(f"template: {exc}", "template") from None
 
 
-def _done(gen: Generation, prompt_ids: list[int], started: float) -> dict:
+def _done(gen: Generation, started: float) -> dict:
+    """The last object's figures: `started` is when the request came in; prompt eval runs
+    until the first token."""
     out = gen.outputs[0]
-    total = time.perf_counter() - started
-    first = gen.first_token_at or time.perf_counter()
-    prompt_s = max(first - started, 0.0)
+    now = time.perf_counter()
+    prompt_s = max((gen.first_token_at or now) - started, 0.0)
     return {
         "done": True,
         "done_reason": "length" if out.finish_reason == "length" else "stop",
-        "total_duration": _ns(total),
-        "load_duration": 0,
-        "prompt_eval_count": len(prompt_ids),
+        "total_duration": _ns(now - started),
+        "load_duration": 0,  # the model is always loaded
+        "prompt_eval_count": len(gen.prompt_ids),
         "prompt_eval_duration": _ns(prompt_s),
         "eval_count": out.num_tokens,
-        "eval_duration": _ns(max(total - prompt_s, 0.0)),
+        "eval_duration": _ns(max(now - started - prompt_s, 0.0)),
     }
 
 
-async def _respond(gen: Generation, stream: bool, piece, final, whole):  # noqa: ANN001, ANN202
-    out_ids: list[int] = []
-    if not stream:
+async def _respond(
+    gen: Generation, streamed: bool, piece: Callable[[str], dict], final: Callable[[], dict]
+):  # noqa: ANN202
+    if not streamed:
+        await gen.drain()
+        whole = piece(gen.outputs[0].text)  # the text goes in the final object
+        return {**final(), **{k: whole[k] for k in ("response", "message") if k in whole}}
+
+    async def chunks() -> AsyncIterator[dict]:
         async for d in gen.deltas():
-            out_ids.extend(d.token_ids)
-        done = final(out_ids)
-        done.update(whole(gen.outputs[0].text))
-        return done
+            if d.text:
+                yield piece(d.text)
+        yield final()
 
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for d in gen.deltas():
-                out_ids.extend(d.token_ids)
-                if d.text:
-                    yield json.dumps(piece(d.text)) + "\n"
-            yield json.dumps(final(out_ids)) + "\n"
-        except StreamError as exc:
-            yield json.dumps({"error": exc.error.message}) + "\n"
-        finally:
-            gen.cancel()
-
-    return GenerationStream(body(), gen, media_type="application/x-ndjson")
+    return stream(gen, chunks(), WIRE)
 
 
-async def _embed(ingress: Any, model: str, texts: list[str]) -> tuple[list, int]:
+async def _embed(ingress: Ingress, model: str, texts: list[str]) -> tuple[list, int]:
     name = model.removesuffix(":latest")
-    if name not in _embedding_models(ingress):
+    if name not in ingress.embedding_models():
         if ingress.config.model(name) is not None:
-            served = ", ".join(_embedding_models(ingress)) or "none"
+            served = ", ".join(ingress.embedding_models()) or "none"
             raise InvalidRequestError(
                 f"model '{model}' generates text and cannot embed; embedding models: {served}",
                 param="model",

@@ -1,13 +1,13 @@
-"""OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings."""
+"""OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings (and
+the same paths without /v1). Errors: {"error": {message, type, param, code}}."""
 
+import asyncio
 import base64
-import json
 import struct
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.openai import (
@@ -16,209 +16,168 @@ from app.protocol.openai import (
     EmbeddingRequest,
     sampling_params,
 )
-from deployments.errors import openai_error
-from deployments.generation import Generation, StreamError, TextDelta
-from deployments.metrics import TokenTimer
-from deployments.streaming import GenerationStream
+from app.protocol.sampling import SamplingParams
+from deployments.errors import error_body
+from deployments.generation import Generation, OutputState, TextDelta
+from deployments.ingress import Ingress, IngressDep, RequestTag, UnknownModelError
+from deployments.streaming import sse, stream
 
-MAX_PROMPTS = 128  # prompts x n in one /v1/completions request, generated together
+MAX_PROMPTS = 128  # prompts x n in one /v1/completions request
+WIRE = sse(error_body, end="data: [DONE]\n\n")
+
+router = APIRouter()
 
 
-def build_router(get_ingress: Callable[[], Any]) -> APIRouter:  # noqa: C901
-    """Routes resolve the ingress replica at request time (it exists only in the replica)."""
-    router = APIRouter()
+@router.get("/v1/models")
+async def list_models(ingress: IngressDep) -> dict:
+    return {"object": "list", "data": [_card(ingress, m.name) for m in ingress.config.models]}
 
-    @router.get("/v1/models")
-    async def list_models() -> dict:
-        ingress = get_ingress()
-        return {
-            "object": "list",
-            "data": [ingress.model_card(m.name) for m in ingress.config.models],
-        }
 
-    @router.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str):  # noqa: ANN202
-        ingress = get_ingress()
-        if ingress.config.model(model_id) is None:
-            return openai_error(
-                404, f"The model '{model_id}' does not exist", "model", "model_not_found"
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, ingress: IngressDep) -> dict:
+    return _card(ingress, ingress.model(model_id).name)
+
+
+def _card(ingress: Ingress, name: str) -> dict:
+    return {"id": name, "object": "model", "created": ingress.created, "owned_by": "shoal"}
+
+
+async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+    ingress.model(req.model)
+    prompts = await _prompts(ingress, req)
+    params = sampling_params(req, ingress.config.max_tokens_default, req.logprobs)
+    if len(prompts) > 1 and req.stream:
+        raise InvalidRequestError("streaming supports one prompt per request", "prompt")
+    gens = await _start_all(ingress, req, prompts, params, tag)
+    if req.stream:
+        return stream(gens[0], _completion_chunks(ingress, req, gens[0]), WIRE)
+    await asyncio.gather(*(gen.drain() for gen in gens))
+    choices = [
+        _completion_choice(ingress, req, gen, out, i * req.n + out.index)
+        for i, gen in enumerate(gens)
+        for out in gen.outputs
+    ]
+    prompt = sum(len(gen.prompt_ids) for gen in gens)
+    completion = sum(gen.completion_tokens for gen in gens)
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if len(gens) == 1:
+        usage = _usage(gens[0])
+    return {
+        **_head(gens[0], req.model, "cmpl", "text_completion"),
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+async def _start_all(
+    ingress: Ingress,
+    req: CompletionRequest,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tag: str,
+) -> list[Generation]:
+    """Several prompts run together, but are started one after another: Serve gives every
+    handle call made while serving one HTTP request that request's internal id, and its
+    router cannot tell two such calls apart while both wait to be routed. A started one
+    has been routed (and has its first token), so the next may go."""
+    gens: list[Generation] = []
+    try:
+        for i, ids in enumerate(prompts):
+            gens.append(
+                await ingress.generate(req.model, ids, params, req.stop_strings, f"{tag}.{i}")
             )
-        return ingress.model_card(model_id)
-
-    async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
-        ingress = get_ingress()
-        ingress.require_model(req.model)
-        prompts = await _prompts(ingress, req)
-        params = sampling_params(req, ingress.config.max_tokens_default, req.logprobs)
-        if len(prompts) != 1:
-            if req.stream:
-                raise InvalidRequestError("streaming supports one prompt per request", "prompt")
-            gens = await _run_all(ingress, req, prompts, params, request)
-            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-            for i, (ids, gen) in enumerate(zip(prompts, gens, strict=True)):
-                for out in gen.outputs:
-                    choices.append(
-                        _completion_choice(ingress, req, gen, out, i * req.n + out.index)
-                    )
-                usage["prompt_tokens"] += len(ids)
-                usage["completion_tokens"] += gen.completion_tokens
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            return {
-                "id": f"cmpl-{gen.request_id}",
-                "object": "text_completion",
-                "created": gen.created,
-                "model": req.model,
-                "choices": choices,
-                "usage": usage,
-            }
-        gen = await start_generation(
-            ingress, req.model, prompts[0], params, req.stop_strings, request
-        )
-        if req.stream:
-            return _sse(_completion_chunks(ingress, req, gen), gen)
-        async for _ in gen.deltas():
-            pass
-        return {
-            "id": f"cmpl-{gen.request_id}",
-            "object": "text_completion",
-            "created": gen.created,
-            "model": req.model,
-            "choices": [_completion_choice(ingress, req, gen, o, o.index) for o in gen.outputs],
-            "usage": _usage(gen),
-        }
-
-    async def chat(req: ChatCompletionRequest, request: Request):  # noqa: ANN202
-        ingress = get_ingress()
-        ingress.require_model(req.model)
-        ids = await ingress.tokenizer.encode_chat.remote(req.model, req.template_messages())
-        num_lp = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, ingress.config.max_tokens_default, num_lp)
-        gen = await start_generation(ingress, req.model, ids, params, req.stop_strings, request)
-        if req.stream:
-            return _sse(_chat_chunks(ingress, req, gen), gen)
-        async for _ in gen.deltas():
-            pass
-        choices = []
-        for out in gen.outputs:
-            choice = {
-                "index": out.index,
-                "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason,
-                "logprobs": None,
-            }
-            if req.logprobs:
-                choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, out.logprobs)}
-            choices.append(choice)
-        return {
-            "id": f"chatcmpl-{gen.request_id}",
-            "object": "chat.completion",
-            "created": gen.created,
-            "model": req.model,
-            "choices": choices,
-            "usage": _usage(gen),
-        }
-
-    async def embeddings(req: EmbeddingRequest):  # noqa: ANN202
-        ingress = get_ingress()
-        if ingress.embedder is None or req.model != ingress.config.embeddings.name:
-            return openai_error(
-                404, f"The model '{req.model}' does not exist", "model", "model_not_found"
-            )
-        texts = [req.input] if isinstance(req.input, str) else list(req.input)
-        if not texts or any(not isinstance(t, str) or not t for t in texts):
-            raise InvalidRequestError(
-                "input must be a non-empty string or list of strings", "input"
-            )
-        if len(texts) > ingress.config.embeddings.max_batch_inputs:
-            raise InvalidRequestError(
-                f"at most {ingress.config.embeddings.max_batch_inputs} inputs", "input"
-            )
-        vectors, tokens = await ingress.embedder.embed.remote(texts)
-        data = []
-        for i, vec in enumerate(vectors):
-            value: Any = vec
-            if req.encoding_format == "base64":
-                value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        return {
-            "object": "list",
-            "data": data,
-            "model": req.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-
-    for prefix in ("/v1", ""):
-        router.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
-        router.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
-        router.add_api_route(f"{prefix}/embeddings", embeddings, methods=["POST"])
-    return router
-
-
-async def _run_all(
-    ingress: Any, req: CompletionRequest, prompts: list[list[int]], params, request: Request
-) -> list[Generation]:  # noqa: ANN001
-    """Several prompts, one after the other (each alone in its share of the batch, as a
-    request of its own would be). Not at once: Serve gives every handle call made while
-    serving one HTTP request that request's internal id, and its router cannot tell two
-    such calls apart while both wait to be routed (one would never be sent)."""
-    gens = []
-    for i, ids in enumerate(prompts):
-        gen = await start_generation(ingress, req.model, ids, params, req.stop_strings, request, i)
-        async for _ in gen.deltas():
-            pass
-        gens.append(gen)
+    except BaseException:
+        for gen in gens:
+            gen.cancel()
+        raise
     return gens
 
 
-async def _prompts(ingress: Any, req: CompletionRequest) -> list[list[int]]:
+async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+    ingress.model(req.model)
+    ids = await ingress.encode_chat(req.model, req.template_messages())
+    num_lp = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, ingress.config.max_tokens_default, num_lp)
+    gen = await ingress.generate(req.model, ids, params, req.stop_strings, tag)
+    if req.stream:
+        return stream(gen, _chat_chunks(ingress, req, gen), WIRE)
+    await gen.drain()
+    choices = []
+    for out in gen.outputs:
+        choice = {
+            "index": out.index,
+            "message": {"role": "assistant", "content": out.text},
+            "finish_reason": out.finish_reason,
+            "logprobs": None,
+        }
+        if req.logprobs:
+            choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, out.logprobs)}
+        choices.append(choice)
+    head = _head(gen, req.model, "chatcmpl", "chat.completion")
+    return {**head, "choices": choices, "usage": _usage(gen)}
+
+
+async def embeddings(req: EmbeddingRequest, ingress: IngressDep) -> dict:
+    if req.model not in ingress.embedding_models():
+        raise UnknownModelError(f"The model '{req.model}' does not exist", param="model")
+    texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    if not texts or any(not isinstance(t, str) or not t for t in texts):
+        raise InvalidRequestError("input must be a non-empty string or list of strings", "input")
+    if len(texts) > ingress.config.embeddings.max_batch_inputs:
+        raise InvalidRequestError(
+            f"at most {ingress.config.embeddings.max_batch_inputs} inputs", "input"
+        )
+    vectors, tokens = await ingress.embedder.embed.remote(texts)
+    data = []
+    for i, vec in enumerate(vectors):
+        value: Any = vec
+        if req.encoding_format == "base64":
+            value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {
+        "object": "list",
+        "data": data,
+        "model": req.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+for _prefix in ("/v1", ""):
+    router.add_api_route(f"{_prefix}/completions", completions, methods=["POST"])
+    router.add_api_route(f"{_prefix}/chat/completions", chat, methods=["POST"])
+    router.add_api_route(f"{_prefix}/embeddings", embeddings, methods=["POST"])
+
+
+# ---- request and response pieces -----------------------------------------------------------
+async def _prompts(ingress: Ingress, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str):
-        return [await ingress.tokenizer.encode.remote(req.model, p)]
+        return [await ingress.encode(req.model, p)]
     if not p:
         raise InvalidRequestError("prompt must not be empty", "prompt")
-    if not all(isinstance(x, int) for x in p) and len(p) * req.n > MAX_PROMPTS:
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if len(p) * req.n > MAX_PROMPTS:
         raise InvalidRequestError(
             f"{len(p)} prompts x n={req.n} outputs: at most {MAX_PROMPTS} in all per request",
             "prompt",
         )
-    if all(isinstance(x, int) for x in p):
-        return [list(p)]
     if all(isinstance(x, str) for x in p):
-        return [await ingress.tokenizer.encode.remote(req.model, x) for x in p]
+        return [await ingress.encode(req.model, x) for x in p]
     return [list(x) for x in p]
 
 
-async def start_generation(
-    ingress: Any,
-    model: str,
-    ids: list[int],
-    params,
-    stop: list[str],
-    request: Request,
-    part: int = 0,  # noqa: ANN001
-) -> Generation:
-    # The engine's request id carries the HTTP X-Request-Id so every hop's logs share it;
-    # the suffix keeps it unique when a client reuses an id.
-    http_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    request_id = f"{http_id}.{part}.{uuid.uuid4().hex[:6]}"
-    timer = TokenTimer(ingress.metrics, model)
-    gen = Generation(
-        ingress.models[model], ingress.tokenizers[model], ids, params, stop, request_id, timer
-    )
-    ingress.metrics.prompt_tokens.labels(model).inc(len(ids))
-    try:
-        await gen.start()
-    except StreamError as exc:
-        e = exc.error
-        raise _ApiError(e.status_code, e.message, e.param, e.error_type) from None
-    return gen
-
-
-class _ApiError(InvalidRequestError):
-    def __init__(self, status: int, message: str, param: str | None, error_type: str) -> None:
-        super().__init__(message, param)
-        self.status_code = status
-        self.error_type = error_type
+def _head(gen: Generation, model: str, prefix: str, kind: str) -> dict:
+    return {
+        "id": f"{prefix}-{gen.request_id}",
+        "object": kind,
+        "created": gen.created,
+        "model": model,
+    }
 
 
 def _usage(gen: Generation) -> dict:
@@ -231,33 +190,25 @@ def _usage(gen: Generation) -> dict:
     }
 
 
-def _token_text(ingress: Any, model: str, token_id: int) -> str:
+def _token_text(ingress: Ingress, model: str, token_id: int) -> str:
     return ingress.tokenizers[model].decode([token_id])
 
 
-def _chat_logprobs(ingress: Any, model: str, lps: list) -> list[dict]:
+def _chat_logprobs(ingress: Ingress, model: str, lps: list) -> list[dict]:
     out = []
     for lp in lps:
         tok = _token_text(ingress, model, lp.token_id)
+        top = []
+        for i, v in lp.top:
+            t = _token_text(ingress, model, i)
+            top.append({"token": t, "logprob": v, "bytes": list(t.encode())})
         out.append(
-            {
-                "token": tok,
-                "logprob": lp.logprob,
-                "bytes": list(tok.encode()),
-                "top_logprobs": [
-                    {
-                        "token": (t := _token_text(ingress, model, i)),
-                        "logprob": v,
-                        "bytes": list(t.encode()),
-                    }
-                    for i, v in lp.top
-                ],
-            }
+            {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
         )
     return out
 
 
-def _completion_logprobs(ingress: Any, model: str, lps: list, offset: int) -> dict:
+def _completion_logprobs(ingress: Ingress, model: str, lps: list, offset: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
     for lp in lps:
         tok = _token_text(ingress, model, lp.token_id)
@@ -275,8 +226,8 @@ def _completion_logprobs(ingress: Any, model: str, lps: list, offset: int) -> di
 
 
 def _completion_choice(
-    ingress: Any, req: CompletionRequest, gen: Generation, out, index: int
-) -> dict:  # noqa: ANN001
+    ingress: Ingress, req: CompletionRequest, gen: Generation, out: OutputState, index: int
+) -> dict:
     prefix = ingress.tokenizers[req.model].decode(gen.prompt_ids) if req.echo else ""
     choice = {
         "index": index,
@@ -289,101 +240,48 @@ def _completion_choice(
     return choice
 
 
-def _sse(chunks: AsyncIterator[dict], gen: Generation) -> GenerationStream:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except StreamError as exc:
-            err = {
-                "error": {
-                    "message": exc.error.message,
-                    "type": exc.error.error_type,
-                    "param": exc.error.param,
-                    "code": None,
-                }
-            }
-            yield f"data: {json.dumps(err)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return GenerationStream(
-        body(),
-        gen,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
 async def _completion_chunks(
-    ingress: Any, req: CompletionRequest, gen: Generation
+    ingress: Ingress, req: CompletionRequest, gen: Generation
 ) -> AsyncIterator[dict]:
-    base = {
-        "id": f"cmpl-{gen.request_id}",
-        "object": "text_completion",
-        "created": gen.created,
-        "model": req.model,
-    }
+    head = _head(gen, req.model, "cmpl", "text_completion")
     offsets = [0] * req.n  # text_offset runs on across chunks, as in a non-streamed reply
-    try:
-        if req.echo:
-            prompt_text = ingress.tokenizers[req.model].decode(gen.prompt_ids)
-            offsets = [len(prompt_text)] * req.n
-            for i in range(req.n):
-                yield {
-                    **base,
-                    "choices": [
-                        {"index": i, "text": prompt_text, "finish_reason": None, "logprobs": None}
-                    ],
-                }
-        async for d in gen.deltas():
-            choice = {
-                "index": d.index,
-                "text": d.text,
-                "finish_reason": d.finish_reason,
-                "logprobs": None,
-            }
-            if req.logprobs is not None:
-                lps = _completion_logprobs(ingress, req.model, d.logprobs, offsets[d.index])
-                choice["logprobs"] = lps
-                offsets[d.index] += sum(len(t) for t in lps["tokens"])
-            yield {**base, "choices": [choice]}
-        if req.stream_options and req.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": _usage(gen)}
-    finally:
-        gen.cancel()
+    if req.echo:
+        prompt_text = ingress.tokenizers[req.model].decode(gen.prompt_ids)
+        offsets = [len(prompt_text)] * req.n
+        for i in range(req.n):
+            choice = {"index": i, "text": prompt_text, "finish_reason": None, "logprobs": None}
+            yield {**head, "choices": [choice]}
+    async for d in gen.deltas():
+        choice = {
+            "index": d.index,
+            "text": d.text,
+            "finish_reason": d.finish_reason,
+            "logprobs": None,
+        }
+        if req.logprobs is not None:
+            lps = _completion_logprobs(ingress, req.model, d.logprobs, offsets[d.index])
+            choice["logprobs"] = lps
+            offsets[d.index] += sum(len(t) for t in lps["tokens"])
+        yield {**head, "choices": [choice]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": _usage(gen)}
 
 
 async def _chat_chunks(
-    ingress: Any, req: ChatCompletionRequest, gen: Generation
+    ingress: Ingress, req: ChatCompletionRequest, gen: Generation
 ) -> AsyncIterator[dict]:
-    base = {
-        "id": f"chatcmpl-{gen.request_id}",
-        "object": "chat.completion.chunk",
-        "created": gen.created,
-        "model": req.model,
-    }
-    try:
-        for i in range(req.n):
-            yield {
-                **base,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None,
-                        "logprobs": None,
-                    }
-                ],
-            }
-        async for d in gen.deltas():
-            yield {**base, "choices": [_chat_delta(ingress, req, d)]}
-        if req.stream_options and req.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": _usage(gen)}
-    finally:
-        gen.cancel()
+    head = _head(gen, req.model, "chatcmpl", "chat.completion.chunk")
+    for i in range(req.n):
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": i, "delta": delta, "finish_reason": None, "logprobs": None}
+        yield {**head, "choices": [choice]}
+    async for d in gen.deltas():
+        yield {**head, "choices": [_chat_delta(ingress, req, d)]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": _usage(gen)}
 
 
-def _chat_delta(ingress: Any, req: ChatCompletionRequest, d: TextDelta) -> dict:
+def _chat_delta(ingress: Ingress, req: ChatCompletionRequest, d: TextDelta) -> dict:
     choice = {
         "index": d.index,
         "delta": {"content": d.text} if d.text else {},

@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.model_server import SHARD_NAMESPACE
+from deployments.shard_actor import SHARD_NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"

@@ -1,0 +1,123 @@
+"""Ollama's request schemas and their mapping onto neutral SamplingParams.
+
+Lenient where Ollama is (unknown fields and runtime options are ignored), strict on what
+we cannot honour: `format`, `think`, `tools`, `images` and `suffix` are refused by the
+routes rather than silently ignored.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.protocol.errors import InvalidRequestError
+from app.protocol.sampling import MAX_SEED, SamplingParams, sampling_params
+from app.text.go_template import MAX_TEMPLATE_BYTES
+from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+
+
+class OllamaOptions(BaseModel):
+    """Ollama's runtime options that mean something here; others are accepted and ignored
+    (Ollama does the same with options a runner does not use)."""
+
+    model_config = ConfigDict(extra="ignore")
+    num_predict: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: list[str] | str | None = Field(None, max_length=MAX_STOP_STRINGS)
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = Field(None, ge=1)
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """Ollama's defaults where an option is not given (temperature 0.8, top_k 40, ...)."""
+        fields: dict[str, Any] = {
+            "max_tokens": default_max_tokens
+            if self.num_predict is None or self.num_predict < 0
+            else max(self.num_predict, 1),
+            "temperature": 0.8 if self.temperature is None else self.temperature,
+            "top_k": 40 if self.top_k is None else self.top_k,
+            "top_p": 0.9 if self.top_p is None else self.top_p,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "seed": self.seed,
+            "repetition_penalty": 1.1 if self.repeat_penalty is None else self.repeat_penalty,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+        }
+        names = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
+        return sampling_params(fields, names, prefix="options.")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return check_stop_strings(stops, "options.stop")
+
+
+class OllamaRequest(BaseModel):
+    """What /api/generate and /api/chat share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    stream: bool = True
+    format: str | dict | None = None  # JSON-constrained output: not served yet
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None  # reasoning output: not served yet
+
+    def refuse_unserved(self) -> None:
+        if self.think:
+            raise InvalidRequestError(
+                "think (reasoning output) is not supported by this server", "think"
+            )
+        if self.format is not None:
+            raise InvalidRequestError(
+                "format (JSON-constrained output) is not supported yet: Shoal cannot "
+                "guarantee valid JSON, so it refuses rather than return text that may not parse",
+                "format",
+            )
+
+
+class OllamaGenerateRequest(OllamaRequest):
+    prompt: str = ""
+    system: str | None = None
+    template: str | None = Field(None, max_length=MAX_TEMPLATE_BYTES)
+    raw: bool = False
+    context: list[int] | None = None
+    images: list[str] | None = None  # not served: refused when given
+    suffix: str | None = None  # not served: refused when given
+
+
+class OllamaMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None  # not served: refused when given
+    tool_calls: list[dict[str, Any]] | None = None  # not served: refused when given
+
+
+class OllamaChatRequest(OllamaRequest):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # not served: refused when given
+
+
+class OllamaEmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[str]
+
+
+class OllamaLegacyEmbedRequest(BaseModel):
+    """/api/embeddings, the older single-prompt form."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str
+
+
+class OllamaShowRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    name: str | None = None  # older clients
