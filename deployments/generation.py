@@ -142,8 +142,8 @@ class Generation:
             first = await self._first_item()
         except BackPressureError as exc:
             # Serve installs its own plain-text handler for this error in the ingress app,
-            # so it is turned into ours here, where the handle call is made.
-            self.cancel()
+            # so it is turned into ours here, where the handle call is made. Nothing was
+            # sent, so there is nothing to cancel (and cancelling would raise it again).
             raise OverloadedError(
                 f"model is overloaded: {exc.message} Retry later.",
                 exc.status_code,

@@ -55,23 +55,34 @@ def test_openai_sdk_chat_and_stream(app):
     assert streamed == whole.choices[0].message.content  # greedy: one text either way
 
 
-def test_completions_run_prompts_together_with_the_same_output_as_alone(app):
-    prompts = ["The sea is", "One two three", "Paris is the capital of"]
+def test_completions_prompt_forms(app):
+    """Several prompts run together (in float32, as here, greedy output does not depend on
+    the batch; in bfloat16 it may)."""
 
     async def scenario():
         async with http_client(app) as http:
-            body = {"model": MODEL, "max_tokens": 6, "temperature": 0}
-            together = (await http.post("/v1/completions", json={**body, "prompt": prompts})).json()
+            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            create = client.completions.create
+            one = await create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+            prompts = ["The sky is", "Water is", "One two three"]
+            many = await create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
             alone = [
-                (await http.post("/v1/completions", json={**body, "prompt": p})).json()
-                for p in prompts
+                await create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts
             ]
-            return together, alone
+            ids = await create(model=MODEL, prompt=[504, 7042, 314], max_tokens=4, temperature=0)
+            echo = await create(
+                model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True
+            )
+            return one, many, alone, ids, echo
 
-    together, alone = run(scenario())
-    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
-    assert [c["text"] for c in together["choices"]] == [a["choices"][0]["text"] for a in alone]
-    assert together["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    one, many, alone, ids, echo = run(scenario())
+    assert one.choices[0].text and one.usage.prompt_tokens > 0
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == one.choices[0].text
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone]
+    assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert ids.usage.prompt_tokens == 3
+    assert echo.choices[0].text.startswith("The sky is")
 
 
 def test_every_dialect_is_timed_and_counted(app):

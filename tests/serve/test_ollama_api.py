@@ -24,7 +24,9 @@ def test_generate_streamed_equals_not_streamed(client):
         assert r.eval_count == 12 or r.done_reason == "stop"
         assert 0 < r.prompt_eval_count < 100
         assert r.total_duration >= r.eval_duration > 0 and r.prompt_eval_duration > 0
-        assert r.load_duration is not None
+        # Prompt eval lasts until the first token, eval after it: together the whole time.
+        assert r.prompt_eval_duration + r.eval_duration <= r.total_duration
+        assert r.load_duration == 0  # the model is always loaded: nothing to load
 
 
 def test_generate_context_continues_the_conversation(client):
@@ -36,13 +38,24 @@ def test_generate_context_continues_the_conversation(client):
     assert second.prompt_eval_count > len(first.context)
 
 
-def test_generate_system_raw_and_template(client):
-    sys_out = client.generate(model=MODEL, prompt="Hi", system="Answer in French.", options=GREEDY)
+def test_generate_system_raw_and_template(client, base_url):
+    system = "Answer in French."
+    sys_out = client.generate(model=MODEL, prompt="Hi", system=system, options=GREEDY)
+    plain = client.generate(model=MODEL, prompt="Hi", options=GREEDY)
     raw = client.generate(model=MODEL, prompt="1, 2, 3, 4,", raw=True, options=GREEDY)
     templ = client.generate(
         model=MODEL, prompt="1, 2, 3, 4,", template="{{ .Prompt }}", options=GREEDY
     )
     assert sys_out.response and raw.response == templ.response
+
+    def prompt_text(r) -> str:  # noqa: ANN001 (what the model read: the context's prompt part)
+        tokens = r.context[: r.prompt_eval_count]
+        return httpx.post(f"{base_url}/detokenize", json={"tokens": tokens}, timeout=30).json()[
+            "content"
+        ]
+
+    assert system in prompt_text(sys_out) and system not in prompt_text(plain)
+    assert raw.prompt_eval_count == templ.prompt_eval_count  # the same text, unwrapped
 
 
 def test_chat_streamed_equals_not_streamed(client):

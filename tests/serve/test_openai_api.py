@@ -85,24 +85,6 @@ def test_vllm_extensions_ignore_eos_and_top_k(client):
         client.completions.create(model=MODEL, prompt="x", extra_body={"top_k": -3})
 
 
-def test_completions_prompt_forms(client):
-    one = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
-    assert one.choices[0].text and one.usage.prompt_tokens > 0
-    many = client.completions.create(
-        model=MODEL, prompt=["The sky is", "Water is"], max_tokens=8, temperature=0
-    )
-    assert [c.index for c in many.choices] == [0, 1]
-    assert many.choices[0].text == one.choices[0].text
-    ids = client.completions.create(
-        model=MODEL, prompt=[504, 7042, 314], max_tokens=4, temperature=0
-    )
-    assert ids.usage.prompt_tokens == 3
-    echo = client.completions.create(
-        model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True
-    )
-    assert echo.choices[0].text.startswith("The sky is")
-
-
 def test_completion_logprobs_and_n(client):
     out = client.completions.create(
         model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3

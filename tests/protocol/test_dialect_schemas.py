@@ -1,0 +1,68 @@
+"""Each dialect's schema -> neutral SamplingParams, with errors in the dialect's names."""
+
+import pytest
+from pydantic import ValidationError
+
+from app.protocol.errors import InvalidRequestError
+from app.protocol.llamacpp import LlamaCompletionRequest
+from app.protocol.ollama import OllamaChatRequest, OllamaOptions
+from app.protocol.openai import ChatCompletionRequest, CompletionRequest, sampling_params
+from app.protocol.parrot import FillRequest, ParrotGenerateRequest
+
+
+def test_ollama_defaults_and_names():
+    params = OllamaOptions().sampling(default_max_tokens=99)
+    assert (params.max_tokens, params.temperature, params.top_k) == (99, 0.8, 40)
+    assert (params.top_p, params.repetition_penalty) == (0.9, 1.1)
+    assert OllamaOptions(num_predict=-1).sampling(7).max_tokens == 7
+    with pytest.raises(InvalidRequestError) as bad:
+        OllamaOptions(top_p=3).sampling(8)
+    assert bad.value.param == "options.top_p"
+    assert OllamaOptions(stop="x").stop_strings == ["x"]
+
+
+def test_ollama_refuses_what_it_cannot_honour():
+    with pytest.raises(InvalidRequestError) as bad:
+        OllamaChatRequest(model="m", format="json").refuse_unserved()
+    assert bad.value.param == "format"
+    with pytest.raises(InvalidRequestError):
+        OllamaChatRequest(model="m", think=True).refuse_unserved()
+
+
+def test_llamacpp_fields_map_onto_sampling():
+    req = LlamaCompletionRequest(prompt="x", n_predict=-1, seed=-1, repeat_penalty=1.2)
+    params = req.params(default_max_tokens=50)
+    assert params.max_tokens == 50 and params.seed is None and params.repetition_penalty == 1.2
+    with pytest.raises(InvalidRequestError) as bad:
+        LlamaCompletionRequest(n_predict=4, top_p=5).params(50)
+    assert bad.value.param == "top_p"
+
+
+def test_openai_is_strict_and_names_fields():
+    with pytest.raises(InvalidRequestError) as unsupported:
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}
+        )
+    assert unsupported.value.param == "tools"
+    with pytest.raises(ValidationError):  # unknown field: extra=forbid
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "nme": 1})
+    req = CompletionRequest(model="m", prompt="x", logit_bias={"a": 1.0})
+    with pytest.raises(InvalidRequestError) as bias:
+        sampling_params(req, 16, None)
+    assert bias.value.param == "logit_bias"
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}
+    )
+    with pytest.raises(InvalidRequestError) as tokens:
+        sampling_params(chat, 16, None)
+    assert tokens.value.param == "max_completion_tokens"
+
+
+def test_parrot_ids_are_integers_and_fills_have_one_content():
+    with pytest.raises(ValidationError):
+        FillRequest.model_validate({"session_id": 1, "task_id": 1, "context_id": "7", "text": "a"})
+    with pytest.raises(ValidationError):
+        FillRequest(session_id=1, task_id=1, context_id=7, text="a", token_ids=[1])
+    req = ParrotGenerateRequest(session_id=1, task_id=2, context_id=8, parent_context_id=7)
+    assert (req.context_key, req.parent_key) == ("8", "7")
+    assert req.sampling_config.params().max_tokens == 128
