@@ -17,6 +17,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -46,24 +47,25 @@ def error_body(exc: ShoalError) -> dict:
     return openai_body(exc.status_code, exc.message, exc.param, exc.code, exc.error_type)
 
 
-def openai_error(
+def relative_path(scope: dict) -> str:
+    """The path below the application's route prefix."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def dialect_body(
+    path: str,
     status: int,
     message: str,
     param: str | None = None,
     code: str | None = None,
     error_type: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = openai_body(status, message, param, code, error_type)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def is_ollama(request: Request) -> bool:
-    """Ollama's routes (/api/...) answer errors in Ollama's shape: {"error": "..."}."""
-    path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    return path.startswith("/api/")
+) -> dict:
+    """An error in the shape of the dialect that owns `path`: Ollama's routes (/api/...)
+    answer {"error": "..."}, every other one OpenAI's object."""
+    if path.startswith("/api/"):
+        return {"error": message}
+    return openai_body(status, message, param, code, error_type)
 
 
 def error_response(
@@ -75,9 +77,8 @@ def error_response(
     error_type: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    if is_ollama(request):
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
-    return openai_error(status, message, param, code, error_type, headers)
+    body = dialect_body(relative_path(request.scope), status, message, param, code, error_type)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from deployments.config import AppConfig
+from deployments.errors import dialect_body, relative_path
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,19 +41,8 @@ PUBLIC_PATHS = ("/health",)
 DISCONNECT_OPT_OUT = b"x-request-disconnect-disabled"
 
 
-def relative_path(scope: Scope) -> str:
-    """The path below the application's route prefix."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
 def error_body(path: str, status: int, message: str, code: str | None = None) -> bytes:
-    """An error in the shape of the dialect that owns `path` (Ollama's is plain)."""
-    if path.startswith("/api/"):
-        return json.dumps({"error": message}).encode()
-    kinds = {401: "authentication_error", 408: "timeout_error", 413: "invalid_request_error"}
-    error = {"message": message, "type": kinds.get(status, "invalid_request_error")}
-    return json.dumps({"error": {**error, "param": None, "code": code}}).encode()
+    return json.dumps(dialect_body(path, status, message, code=code)).encode()
 
 
 class RequestGuard:

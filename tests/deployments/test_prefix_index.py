@@ -29,17 +29,3 @@ def test_lru_eviction():
     assert len(index) == 4
     assert index.match([1, 2, 3, 4], ["a"]) == ([], 0)
     assert index.match([5, 6, 7, 8, 9, 10], ["a"]) == (["a"], 6)
-
-
-def test_context_pins_go_with_their_replica():
-    from deployments.affinity_router import ContextPins
-
-    pins = ContextPins()
-    pins.pin("c1", "r1")
-    pins.pin("c2", "r1")
-    pins.pin("c3", "r2")
-    pins.pin("c2", "r2")  # created anew elsewhere: the new holder wins
-    pins.drop_replica("r1")
-    assert pins.holder == {"c2": "r2", "c3": "r2"}
-    pins.unpin("c3")
-    assert pins.holder == {"c2": "r2"} and pins.held == {"r2": {"c2"}}
