@@ -1,8 +1,11 @@
-"""The one place where errors become responses: OpenAI's shape everywhere but under
-/api/ (Ollama's). Routes raise (a ShoalError, a validation error); they never build error
-JSON themselves. Streams use the same bodies for their error events (`error_body`)."""
+"""The one place where errors become responses. Routes raise (a ShoalError, a validation
+error); they never build error JSON themselves. An error's shape is OpenAI's
+(`openai_body`) unless a dialect registered its own for the paths it owns
+(`error_shape`, e.g. Ollama's {"error": "..."} under /api/); the request guard's errors
+(401, 408, 413) take the same shapes."""
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,6 +56,22 @@ def relative_path(scope: dict) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
+# (path prefix, body builder) of dialects whose errors are not in OpenAI's shape.
+ErrorShape = Callable[[int, str, str | None, str | None, str | None], dict]
+_SHAPES: list[tuple[str, ErrorShape]] = []
+
+
+def error_shape(prefix: str) -> Callable[[ErrorShape], ErrorShape]:
+    """Register a dialect's error body for the paths under `prefix` (a route module does
+    this for its own routes)."""
+
+    def register(shape: ErrorShape) -> ErrorShape:
+        _SHAPES.append((prefix, shape))
+        return shape
+
+    return register
+
+
 def dialect_body(
     path: str,
     status: int,
@@ -61,11 +80,9 @@ def dialect_body(
     code: str | None = None,
     error_type: str | None = None,
 ) -> dict:
-    """An error in the shape of the dialect that owns `path`: Ollama's routes (/api/...)
-    answer {"error": "..."}, every other one OpenAI's object."""
-    if path.startswith("/api/"):
-        return {"error": message}
-    return openai_body(status, message, param, code, error_type)
+    """An error in the shape of the dialect that owns `path`."""
+    shape = next((s for prefix, s in _SHAPES if path.startswith(prefix)), openai_body)
+    return shape(status, message, param, code, error_type)
 
 
 def error_response(

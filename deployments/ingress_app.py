@@ -7,18 +7,20 @@ start-up (`__serve_build_asgi_app__`), so the routes reach the replica through t
 state and never through a module global.
 """
 
+import importlib
 import logging
+import pkgutil
 from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.middleware.cors import CORSMiddleware
 from ray import serve
 
+from deployments import routes
 from deployments.config import AppConfig
 from deployments.errors import install_error_handlers
 from deployments.ingress import Ingress, IngressDep
 from deployments.request_guard import RequestGuard
-from deployments.routes import llamacpp, ollama, openai, parrot
 
 logger = logging.getLogger("ray.serve")
 
@@ -26,7 +28,7 @@ logger = logging.getLogger("ray.serve")
 def create_app(ingress: Ingress) -> FastAPI:
     app = FastAPI(title="Shoal", docs_url=None, redoc_url=None)
     app.state.ingress = ingress
-    for dialect in (openai, parrot, llamacpp, ollama):
+    for dialect in dialects():
         app.include_router(dialect.router)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     install_error_handlers(app)
@@ -55,6 +57,14 @@ def create_app(ingress: Ingress) -> FastAPI:
             allow_headers=["*"],
         )
     return app
+
+
+def dialects() -> list:
+    """Every module in deployments/routes: each serves one dialect through its `router`
+    (and registers its error shape, if it is not OpenAI's), so a new dialect is one new
+    file there."""
+    names = sorted(m.name for m in pkgutil.iter_modules(routes.__path__))
+    return [importlib.import_module(f"{routes.__name__}.{name}") for name in names]
 
 
 async def metrics(ingress: IngressDep) -> Response:

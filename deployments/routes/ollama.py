@@ -23,12 +23,20 @@ from app.protocol.ollama import (
 )
 from app.protocol.sampling import SamplingParams
 from app.text.go_template import TemplateError, render
+from deployments.errors import error_shape
 from deployments.generation import Generation
 from deployments.ingress import Ingress, IngressDep, RequestTag
 from deployments.streaming import ndjson, stream
 
 OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
-WIRE = ndjson(lambda exc: {"error": exc.message})
+
+
+@error_shape("/api/")
+def ollama_error(status: int, message: str, *_: str | None) -> dict:
+    return {"error": message}
+
+
+WIRE = ndjson(lambda exc: ollama_error(exc.status_code, exc.message))
 
 router = APIRouter()
 
