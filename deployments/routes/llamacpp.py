@@ -23,11 +23,10 @@ from app.protocol.llamacpp import (
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.outputs import ContextFile, SlotInfo
 from app.protocol.sampling import SamplingParams
+from app.text.fim import fim_prompt
 from deployments.ingress import Ingress, IngressDep, RequestTag
 from deployments.streaming import sse, stream
 
-# Fill-in-the-middle markers: StarCoder/Qwen-coder style, then CodeLlama style.
-FIM_TOKENS = [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<PRE>", "<SUF>", "<MID>")]
 WIRE = sse(lambda exc: {"error": {"message": exc.message}})
 
 router = APIRouter()
@@ -189,28 +188,6 @@ async def infill(req: LlamaInfillRequest, ingress: IngressDep, tag: RequestTag):
     name = ingress.default_model(req.model)
     ids = fim_prompt(ingress.tokenizers[name], req.input_prefix, req.input_suffix, req.prompt, name)
     return await _complete(ingress, name, req, ids, tag)
-
-
-def fim_prompt(
-    tokenizer: Any, prefix: str, suffix: str, extra: str | list[int], model: str
-) -> list[int]:
-    """<prefix marker> prefix <suffix marker> suffix <middle marker> [prompt]."""
-    vocab = tokenizer.get_vocab()
-    markers = next((m for m in FIM_TOKENS if all(t in vocab for t in m)), None)
-    if markers is None:
-        raise InvalidRequestError(
-            f"model {model!r} has no fill-in-the-middle tokens "
-            f"({', '.join(FIM_TOKENS[0])} or {', '.join(FIM_TOKENS[1])}), so /infill "
-            "cannot be served for it",
-            "model",
-        )
-    pre, suf, mid = (vocab[t] for t in markers)
-
-    def enc(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
-
-    tail = enc(extra) if isinstance(extra, str) else list(extra)
-    return [pre, *enc(prefix), suf, *enc(suffix), mid, *tail]
 
 
 def _check_slot(ingress: Ingress, name: str, id_slot: int, allow_any: bool) -> None:

@@ -1,6 +1,5 @@
 """Parrot's primitives through the live app: Fill, Generate, forks, free, errors."""
 
-import copy
 import json
 
 import httpx
@@ -158,19 +157,6 @@ def test_infill_without_fim_tokens_says_so(base_url):
         f"{base_url}/infill", json={"input_prefix": "def f(", "input_suffix": "):"}, timeout=60
     )
     assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
-
-
-def test_fim_prompt_layout(smollm2_tokenizer):
-    from deployments.routes.llamacpp import fim_prompt
-
-    tok = copy.deepcopy(smollm2_tokenizer)
-    tok.add_special_tokens(
-        {"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]}
-    )
-    ids = fim_prompt(tok, "def add(a, b):", "\n    return c", "", "m")
-    vocab = tok.get_vocab()
-    assert ids[0] == vocab["<fim_prefix>"] and ids[-1] == vocab["<fim_middle>"]
-    assert vocab["<fim_suffix>"] in ids
 
 
 def test_slot_save_restore_need_a_directory(base_url):
