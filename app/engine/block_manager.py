@@ -6,7 +6,10 @@ Invariants:
   allocation evicts that prefix, least recently freed first;
 - `_by_hash[h] == b` implies blocks[b].hash == h and blocks[b].token_ids are the tokens
   that hash was computed from (a hit is confirmed against them, never trusted alone);
-- only full blocks whose KV has been computed are registered.
+- only full blocks whose KV has been computed are registered;
+- `_num_cached == number of free blocks with a hash`, kept as blocks move in and out of
+  `_free` (a block gets a hash only while referenced and loses it only when reallocated),
+  so that stats cost nothing per step.
 """
 
 from collections import OrderedDict
@@ -53,6 +56,7 @@ class BlockManager:
     _by_hash: dict[int, int] = field(init=False)
     prefix_hit_tokens: int = field(init=False, default=0)
     prefix_query_tokens: int = field(init=False, default=0)
+    _num_cached: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -65,11 +69,10 @@ class BlockManager:
         return len(self._free)
 
     def stats(self) -> BlockStats:
-        cached = sum(1 for b in self._free if self.blocks[b].hash is not None)
         return BlockStats(
             total=self.num_blocks,
             free=len(self._free),
-            cached=cached,
+            cached=self._num_cached,
             used=self.num_blocks - len(self._free),
             prefix_hit_tokens=self.prefix_hit_tokens,
             prefix_query_tokens=self.prefix_query_tokens,
@@ -175,12 +178,14 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+            self._num_cached -= block.hash is not None
         block.ref_count += 1
 
     def _allocate_fresh(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
+            self._num_cached -= 1
             if self._by_hash.get(block.hash) == block_id:
                 del self._by_hash[block.hash]
             block.hash, block.token_ids = None, ()
@@ -193,3 +198,4 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block_id] = None
+            self._num_cached += block.hash is not None

@@ -10,6 +10,9 @@ persistent contexts give up their KV (`reclaim`): they are a cache, not a reserv
 
 A request with `n` outputs is admitted only when all of them fit under `max_num_seqs`
 (its outputs fork from it at its first token and join the batch at once).
+
+`running` is an insertion-ordered dict used as an ordered set (admission order, O(1)
+removal): sequences finish and are preempted from anywhere in it on every step.
 """
 
 from collections import deque
@@ -27,6 +30,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[CopyOnWrite] = field(default_factory=list)
+    scheduled: set[int] = field(default_factory=set)  # seq_ids of `seqs`
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +59,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: dict[Sequence, None] = {}  # ordered set, oldest first
         self.num_preemptions = 0
 
     # ---- admission ----------------------------------------------------------------
@@ -85,7 +89,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A fork joins the batch directly: its KV is already there."""
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.running[seq] = None
 
     @property
     def has_work(self) -> bool:
@@ -99,7 +103,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.is_finished or seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, n, batch):
@@ -118,7 +122,9 @@ class Scheduler:
         while not bm.can_append(seq, n):
             if self.reclaim(bm.blocks_to_append(seq, n), seq):
                 continue
-            victim = next((s for s in reversed(self.running) if s not in batch.seqs), None)
+            victim = next(
+                (s for s in reversed(self.running) if s.seq_id not in batch.scheduled), None
+            )
             if victim is None or victim is seq:
                 self._preempt(seq)
                 return False
@@ -134,9 +140,10 @@ class Scheduler:
         # Outputs not yet forked take their seats from admission on.
         seats = len(self.running) + sum(s.pending_forks for s in self.running)
         too_wide: list[Sequence] = []
-        for seq in list(self.waiting):
-            if budget <= 0:
-                break
+        # Admitted sequences leave the queue as they go and passed-over ones stay at its
+        # head, so the next candidate is always at index len(too_wide): no copy, no scan.
+        while budget > 0 and len(self.waiting) > len(too_wide):
+            seq = self.waiting[len(too_wide)]
             if seats + 1 + seq.pending_forks > self.max_num_seqs:
                 if seq.passed_over >= self.max_num_seqs:
                     break
@@ -150,9 +157,9 @@ class Scheduler:
             if not bm.can_append(seq, n):
                 bm.free(seq)  # give back the prefix hits; try again next step
                 break
-            self.waiting.remove(seq)
+            del self.waiting[len(too_wide)]
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq] = None
             seats += 1 + seq.pending_forks
             for wide in too_wide:
                 wide.passed_over += 1
@@ -165,9 +172,10 @@ class Scheduler:
             batch.copies.append(cow)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
+        batch.scheduled.add(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        del self.running[seq]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -200,8 +208,8 @@ class Scheduler:
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+            del self.running[seq]
+        elif seq in self.waiting:  # an abort before admission: rare enough for a scan
             self.waiting.remove(seq)
         if seq.context is None or reason is FinishReason.ABORT:
             self.block_manager.free(seq)

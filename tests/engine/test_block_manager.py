@@ -134,3 +134,31 @@ def test_every_block_returns(caching: bool):
     st = bm.stats()
     assert st.used == 0 and st.free == 32
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_the_cached_count_is_kept_without_scans():
+    """stats() reads counters; they must equal what a scan of the free blocks finds after
+    allocations, prefix hits, forks, copy-on-write and reuse of cached blocks."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+
+    def scanned() -> int:
+        return sum(1 for b in bm._free if bm.blocks[b].hash is not None)
+
+    a, b = seq(list(range(13))), seq(list(range(13)) + [99])
+    for s in (a, b):
+        bm.allocate_cached_prefix(s)
+        compute(bm, s, s.num_tokens - s.num_computed_tokens)
+        assert bm.stats().cached == scanned()
+    child = seq([])
+    bm.fork(b, child)
+    bm.free(a)
+    assert bm.stats().cached == scanned()
+    bm.free(b)
+    bm.free(child)
+    assert bm.stats().cached == scanned() > 0
+    big = seq(list(range(100, 140)))  # 10 of the 12 blocks: evicts one cached prefix block
+    bm.allocate_cached_prefix(big)
+    compute(bm, big, 40)
+    assert bm.stats().cached == scanned() == 2
+    bm.free(big)
+    assert bm.stats().cached == scanned() == 12
