@@ -24,12 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import EngineConfig  # noqa: E402
 from app.engine.engine_process import EngineProcess  # noqa: E402
-from app.engine.shard import (  # noqa: E402
-    free_local_address,
-    spawn_local_shards,
-    stop_local_shards,
-)
 from app.protocol import SamplingParams  # noqa: E402
+from tests.helpers import free_local_address, spawn_local_shards, stop_local_shards  # noqa: E402
 
 
 async def decode(engine: EngineProcess, batch: int, new_tokens: int, seed: int) -> dict:

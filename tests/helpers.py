@@ -1,5 +1,10 @@
-"""Builders shared by the tests: tiny random checkpoints and engines over them."""
+"""Builders shared by the tests (and benchmarks): tiny random checkpoints, engines over
+them, and tensor-parallel shards as local processes."""
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +58,45 @@ def tiny_engine(checkpoint: Path, **overrides: Any) -> LLMEngine:
     )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
+
+
+def tiny_config(checkpoint: Path | str, **overrides: Any) -> EngineConfig:
+    """An EngineConfig over a tiny checkpoint, one thread (for engine processes and shards,
+    which share the machine's cores with the test)."""
+    settings: dict[str, Any] = dict(
+        model=str(checkpoint), dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+# ---- tensor-parallel shards as plain processes -------------------------------------------
+def free_local_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn_local_shards(config: EngineConfig, master: str) -> list[subprocess.Popen]:
+    """Ranks 1..N-1 as `python -m app.engine.shard` processes on this machine (tests and
+    benchmarks; Serve replicas use ShardActors instead)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env["OMP_NUM_THREADS"] = str(config.threads)
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "app.engine.shard", "--rank", str(rank)]
+            + ["--master", master, "--config", config.model_dump_json()],
+            env=env,
+        )
+        for rank in range(1, config.tensor_parallel_size)
+    ]
+
+
+def stop_local_shards(shards: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """Wait for shards that rank 0 told to stop; kill the ones that do not."""
+    for shard in shards:
+        try:
+            shard.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            shard.kill()
+            shard.wait()

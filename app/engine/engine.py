@@ -19,16 +19,14 @@ from app.engine import slot_files
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.contexts import ContextStore
-from app.engine.model_runner import ModelRunner, num_kv_blocks
+from app.engine.model_runner import load_runner
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import Sequence
 from app.engine.stats import EngineStats
 from app.models.arch import ArchConfig
-from app.models.attention import select_backend
-from app.models.loader import LoadedModel, load_model
+from app.models.loader import LoadedModel
 from app.models.parallel import TPGroup
-from app.models.source import resolve_model
 from app.protocol.errors import (
     CapacityError,
     ConflictError,
@@ -64,28 +62,13 @@ class LLMEngine:
         rank 0 of `tp` (see app.engine.shard): it schedules and samples for every shard."""
         self.config = config
         torch.set_num_threads(config.threads)
-        if loaded is None:
-            source = resolve_model(config.model)
-            backend = select_backend(
-                config.attention_backend, config.torch_device, config.block_size
-            )
-            loaded = load_model(
-                source,
-                backend,
-                config.torch_dtype,
-                config.torch_device,
-                config.max_model_len,
-                tp,
-            )
-        else:
-            backend = loaded.model.model.layers[0].self_attn.backend
+        loaded, self.runner = load_runner(config, tp, loaded)
         self.loaded = loaded
         self.source = loaded.source
         self.arch: ArchConfig = loaded.arch
         self.max_model_len = loaded.max_model_len
-        num_blocks = num_kv_blocks(config, loaded.model)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.contexts = ContextStore(
             self.block_manager, config.max_contexts, config.max_context_tokens
@@ -98,7 +81,6 @@ class LLMEngine:
             self.arch.eos_token_ids,
             reclaim=self.contexts.evict_kv,
         )
-        self.runner = ModelRunner(config, loaded.model, backend, num_blocks)
         self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[TokenDelta] = []  # deltas of requests ended between steps

@@ -8,8 +8,11 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
-from app.models.attention import AttentionBackend, BatchLayout
+from app.models.attention import AttentionBackend, BatchLayout, select_backend
 from app.models.llama import LlamaForCausalLM
+from app.models.loader import LoadedModel, load_model
+from app.models.parallel import TPGroup
+from app.models.source import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,31 @@ def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM) -> int:
         int(config.kv_cache_memory_gib * 2**30)
         // kv_bytes_per_block(model, config.block_size, config.torch_dtype),
     )
+
+
+def load_runner(
+    config: EngineConfig,
+    tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
+    loaded: LoadedModel | None = None,
+) -> tuple[LoadedModel, "ModelRunner"]:
+    """This shard's slice of the model (rank `tp.rank`; the whole model without TP) and a
+    fresh KV cache sized from `config`: what the engine (rank 0) and every other shard
+    run. `loaded` reuses weights already in memory (another engine's, in tests); the KV
+    cache is always new."""
+    if loaded is None:
+        backend = select_backend(config.attention_backend, config.torch_device, config.block_size)
+        loaded = load_model(
+            resolve_model(config.model),
+            backend,
+            config.torch_dtype,
+            config.torch_device,
+            config.max_model_len,
+            tp,
+        )
+    else:
+        backend = loaded.model.model.layers[0].self_attn.backend
+    runner = ModelRunner(config, loaded.model, backend, num_kv_blocks(config, loaded.model))
+    return loaded, runner
 
 
 @dataclass
@@ -50,6 +78,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.backend = backend
+        self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -131,6 +160,7 @@ class ModelRunner:
         return torch.stack([torch.stack([k[index], v[index]]) for k, v in pairs]).cpu()
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """The inverse of `read_blocks`: `kv` (layers, 2, len(blocks), ...) into them."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
             k[index] = kv[layer, 0].to(self.device, k.dtype)

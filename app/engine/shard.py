@@ -6,41 +6,22 @@ steps rank 0 broadcasts a heartbeat now and then, so a shard never waits long en
 time out, and a dead peer shows up as an error at the next collective. `None` stops.
 
 In Serve the replica's shard actors call `run_shard`; `python -m app.engine.shard` runs
-one as a plain process (tests, debugging).
+one as a plain process (tests, benchmarks, debugging).
 """
 
 import argparse
 import logging
-import os
-import socket
-import subprocess
 import sys
 
 import torch
 
 from app.engine.config import EngineConfig
-from app.engine.model_runner import ModelRunner, StepInputs, num_kv_blocks
-from app.models.attention import select_backend
-from app.models.loader import load_model
-from app.models.parallel import TPGroup, init_tp_group
-from app.models.source import resolve_model
+from app.engine.model_runner import StepInputs, load_runner
+from app.models.parallel import init_tp_group
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT = "heartbeat"
-
-
-def load_shard(config: EngineConfig, tp: TPGroup) -> ModelRunner:
-    backend = select_backend(config.attention_backend, config.torch_device, config.block_size)
-    loaded = load_model(
-        resolve_model(config.model),
-        backend,
-        config.torch_dtype,
-        config.torch_device,
-        config.max_model_len,
-        tp,
-    )
-    return ModelRunner(config, loaded.model, backend, num_kv_blocks(config, loaded.model))
 
 
 def run_shard(config: EngineConfig, rank: int, master: str) -> None:
@@ -49,7 +30,7 @@ def run_shard(config: EngineConfig, rank: int, master: str) -> None:
     torch.set_num_threads(config.threads)
     tp = init_tp_group(rank, config.tensor_parallel_size, master, config.torch_distributed_backend)
     try:
-        runner = load_shard(config, tp)
+        _, runner = load_runner(config, tp)
         logger.info("shard %d/%d ready", rank, tp.size)
         while True:
             step = tp.broadcast_object()
@@ -62,36 +43,6 @@ def run_shard(config: EngineConfig, rank: int, master: str) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_local_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def spawn_local_shards(config: EngineConfig, master: str) -> list[subprocess.Popen]:
-    """Ranks 1..N-1 as plain processes on this machine (tests and benchmarks; Serve
-    replicas use ShardActors instead)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    env["OMP_NUM_THREADS"] = str(config.threads)
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "app.engine.shard", "--rank", str(rank)]
-            + ["--master", master, "--config", config.model_dump_json()],
-            env=env,
-        )
-        for rank in range(1, config.tensor_parallel_size)
-    ]
-
-
-def stop_local_shards(shards: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
-    """Wait for shards that rank 0 told to stop; kill the ones that do not."""
-    for shard in shards:
-        try:
-            shard.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            shard.kill()
 
 
 def main() -> int:

@@ -13,13 +13,13 @@ import torch
 from app.engine import EngineConfig, LLMEngine
 from app.engine.async_engine import EngineDeadError
 from app.engine.engine_process import EngineProcess
-from app.engine.shard import free_local_address, spawn_local_shards, stop_local_shards
 from app.models.attention import select_backend
 from app.models.loader import load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
 from app.protocol import SamplingParams
 from app.protocol.errors import ShoalError
+from tests.helpers import free_local_address, spawn_local_shards, stop_local_shards
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 45))]
 
