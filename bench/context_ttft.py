@@ -58,19 +58,19 @@ def main() -> None:
 
     first_token_ms(engine, engine.add_request, tokens(64), ONE)  # warm-up
     figures: dict[str, list[float]] = {"cold": [], "cached": [], "fork": [], "refill": []}
-    add, add_ctx = engine.add_request, engine.add_context_request
+    add = engine.add_request  # (request_id, tokens, params, context=None)
     for i in range(args.repeats):
         prefix = tokens(args.prefix)
         figures["cold"].append(first_token_ms(engine, add, prefix + tokens(24), ONE))
         figures["cached"].append(first_token_ms(engine, add, prefix + tokens(24), ONE))
         parent, child, fresh = f"p{i}", f"c{i}", f"r{i}"
-        first_token_ms(engine, add_ctx, ContextOp(parent, ContextAction.FILL), tokens(args.prefix), ONE)
+        first_token_ms(engine, add, tokens(args.prefix), ONE, ContextOp(parent, ContextAction.FILL))
         held, q = engine.context_tokens(parent), tokens(args.question)
         fork = ContextOp(child, ContextAction.GENERATE, parent)
-        figures["fork"].append(first_token_ms(engine, add_ctx, fork, q, ONE))
+        figures["fork"].append(first_token_ms(engine, add, q, ONE, fork))
         engine.block_manager.enable_prefix_caching = False  # a real re-fill: no cache hits
         refill = ContextOp(fresh, ContextAction.GENERATE)
-        figures["refill"].append(first_token_ms(engine, add_ctx, refill, held + q, ONE))
+        figures["refill"].append(first_token_ms(engine, add, held + q, ONE, refill))
         engine.block_manager.enable_prefix_caching = True
         for cid in (parent, child, fresh):
             engine.free_context(cid)

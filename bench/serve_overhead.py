@@ -100,6 +100,7 @@ def bench_in_process(config, levels: list[tuple[int, int]], max_tokens: int) -> 
     from app.models.source import resolve_model
     from app.models.tokenizer import chat_token_ids, load_tokenizer
     from app.protocol import SamplingParams
+    from app.protocol.messages import EngineRequest
     from app.text.detokenizer import IncrementalDetokenizer
 
     engine_config = config.models[0].engine
@@ -113,7 +114,7 @@ def bench_in_process(config, levels: list[tuple[int, int]], max_tokens: int) -> 
         ids = chat_token_ids(tokenizer, messages)
         detok = IncrementalDetokenizer(tokenizer, ids)
         arrivals, tokens = [], 0
-        async for delta in engine.generate(uuid.uuid4().hex, ids, params):
+        async for delta in engine.generate(EngineRequest(uuid.uuid4().hex, ids, params)):
             tokens += len(delta.token_ids)
             if detok.add(delta.token_ids):
                 arrivals.append(time.perf_counter())

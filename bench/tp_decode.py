@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.engine import EngineConfig  # noqa: E402
 from app.engine.engine_process import EngineProcess  # noqa: E402
 from app.protocol import SamplingParams  # noqa: E402
+from app.protocol.messages import EngineRequest  # noqa: E402
 from tests.helpers import free_local_address, spawn_local_shards, stop_local_shards  # noqa: E402
 
 
@@ -37,7 +38,8 @@ async def decode(engine: EngineProcess, batch: int, new_tokens: int, seed: int) 
     async def one(i: int) -> None:
         first = last = None
         n = 0
-        async for delta in engine.generate(f"b{batch}-{seed}-{i}", prompts[i], params):
+        request = EngineRequest(f"b{batch}-{seed}-{i}", prompts[i], params)
+        async for delta in engine.generate(request):
             now = time.perf_counter()
             first = first or now
             last = now

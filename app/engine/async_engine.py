@@ -1,41 +1,40 @@
-"""AsyncEngine: runs an LLMEngine's step loop in a background thread and streams each
-request's token deltas to asyncio consumers.
+"""AsyncEngine: an EngineClient that runs an LLMEngine's step loop in a thread of this
+process (tests, benchmarks, in-process serving). See app.engine.client for the contract.
 
-Streaming contract: `generate` yields TokenDelta objects for one request; every one of
-its `n` outputs ends with exactly one delta carrying a finish_reason; when the consumer
-stops iterating (client gone, task cancelled) the request is aborted in the engine and
-its KV blocks are freed before `generate` returns.
+Stats, slots and context lookups are answered on the caller's thread (they take the
+engine's lock between forwards); context files are written and read by one worker thread
+of their own, never by the step loop.
 """
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from app.engine.client import EngineDeadError, EngineUnavailableError
+from app.engine.context_files import ContextFiles
 from app.engine.engine import LLMEngine
 from app.engine.streams import DeltaStreams
-from app.protocol.outputs import TokenDelta
-from app.protocol.sampling import SamplingParams
+from app.protocol.messages import EngineRequest
+from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, TokenDelta
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped; the replica should be replaced."""
-
-
-class EngineUnavailableError(EngineDeadError):
-    """The engine was already dead when this request came: it never saw it, so it may be
-    sent to another replica (unlike one that was inside the engine when it died)."""
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
+        self.info = EngineInfo(model=engine.source.name, max_model_len=engine.max_model_len)
         self._idle_wait_s = idle_wait_s
         self._streams = DeltaStreams()
+        self._files = ContextFiles(engine)
+        # One at a time: each holds a copy of a context's KV, and a save's quota check
+        # must see the file of the save before it.
+        self._file_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-slot-io")
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._error: BaseException | None = None
@@ -49,8 +48,6 @@ class AsyncEngine:
         return self._thread.is_alive() and self._error is None
 
     def check_health(self, stuck_after_s: float = 60.0, stalled_after_s: float = 60.0) -> None:
-        """Raise when the loop is dead, busy but has not finished a step for too long, or
-        has had work waiting with nothing scheduled for too long."""
         if not self.is_alive:
             raise EngineDeadError(f"engine loop is dead: {self._error!r}")
         if self.engine.has_work and time.monotonic() - self.last_step_at > stuck_after_s:
@@ -62,32 +59,65 @@ class AsyncEngine:
             )
 
     # ---- requests -----------------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         if not self.is_alive:
             raise EngineUnavailableError(f"engine loop is dead: {self._error!r}")
-        queue = self._streams.open(request_id)
+        rid = request.request_id
+        queue = self._streams.open(rid)
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.context)
         except BaseException:
-            self._streams.close(request_id, queue)
+            self._streams.close(rid, queue)
             raise
         self._wakeup.set()
-        async for delta in self._streams.iterate(
-            request_id, queue, params.n, lambda: self.abort(request_id)
-        ):
+        num_outputs = 1 if request.context is not None else request.params.n
+        async for delta in self._streams.iterate(rid, queue, num_outputs, lambda: self.abort(rid)):
             yield delta
 
-    def abort(self, request_id: str) -> bool:
-        aborted = self.engine.abort(request_id)
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
         self._wakeup.set()  # its blocks may let a waiting request in
-        return aborted
+
+    # ---- queries ------------------------------------------------------------------
+    async def stats(self) -> dict:
+        self._raise_if_dead()
+        return self.engine.stats_snapshot()
+
+    async def slots(self) -> list[SlotInfo]:
+        self._raise_if_dead()
+        return self.engine.slots()
+
+    async def context_tokens(self, context_id: str) -> list[int]:
+        self._raise_if_dead()
+        return self.engine.context_tokens(context_id)
+
+    async def free_context(self, context_id: str) -> int:
+        self._raise_if_dead()
+        held = self.engine.free_context(context_id)
+        self._wakeup.set()  # its blocks may let a waiting request in
+        return held
+
+    async def save_context(
+        self, context_id: str, path: str, quota_bytes: int | None = None
+    ) -> ContextFile:
+        return await self._in_file_thread(self._files.save, context_id, path, quota_bytes)
+
+    async def restore_context(self, context_id: str, path: str) -> ContextFile:
+        return await self._in_file_thread(self._files.restore, context_id, path)
+
+    async def _in_file_thread(self, fn: Callable[..., ContextFile], *args: object) -> ContextFile:
+        self._raise_if_dead()
+        return await asyncio.get_running_loop().run_in_executor(self._file_io, fn, *args)
+
+    def _raise_if_dead(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"engine loop is dead: {self._error!r}")
 
     def shutdown(self) -> None:
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self._file_io.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop -----------------------------------------------------------------
     def _loop(self) -> None:

@@ -1,26 +1,26 @@
-"""EngineProcess: an LLMEngine's step loop in a child process, streamed to asyncio consumers.
+"""EngineProcess: an EngineClient whose LLMEngine step loop runs in a child process
+(app.engine.engine_child). See app.engine.client for the contract.
 
 Why a process: the serving process runs an event loop that handles every token of every
 stream (Ray's streaming, HTTP), and under load that Python work holds the GIL often
 enough to stall the step loop's own Python between kernels. In its own process the step
 loop never waits for it (vLLM's V1 engine core and SGLang's scheduler do the same).
 
-Wire (a Unix socket pair, pickled tuples):
-  parent -> child  ("add", request_id, prompt_ids, params) | ("abort", request_id)
+Wire (a Unix socket pair, pickled tuples of typed values):
+  parent -> child  (config_json, tp_master) once, then
+                   ("add", EngineRequest) | ("abort", request_id)
                    | ("call", call_id, name, args) | ("stop",)
-  child -> parent  ("ready", info) | ("fatal", *error)
+  child -> parent  ("ready", EngineInfo) | ("fatal", *error)
                    | ("deltas", [TokenDelta, ...], stalled_s)
                    | ("error", request_id, *error) | ("reply", call_id, ok, value)
-where *error is (status_code, error_type, message, param). One "deltas" message per step
-(empty ones only as a heartbeat once a second while busy); `stalled_s` says how long
-requests have waited with nothing scheduled, which fails the health check past a limit.
-A step that schedules nothing is followed by a short wait for a message, not a spin.
-Slot file calls run in a thread of the child: a 4 GB save never stalls the step loop.
-The child exits when the parent's end closes, so a killed replica never leaves an engine
-behind.
-
-Same streaming contract as AsyncEngine: `generate` yields one request's deltas, and a
-consumer that stops early aborts the request in the engine.
+where *error is (status_code, error_type, message, param) and a call's name is one of
+the EngineClient queries (stats, slots, context_tokens, free_context, save_context,
+restore_context). One "deltas" message per step (empty ones only as a heartbeat once a
+second while busy); `stalled_s` says how long requests have waited with nothing
+scheduled, which fails the health check past a limit. A step that schedules nothing is
+followed by a short wait for a message, not a spin. Context files are written and read
+by one worker thread of the child: a 4 GB save never stalls the step loop. The child
+exits when the parent's end closes, so a killed replica never leaves an engine behind.
 """
 
 import asyncio
@@ -33,32 +33,32 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from app.engine.async_engine import EngineDeadError, EngineUnavailableError
+from app.engine.client import EngineDeadError, EngineUnavailableError
 from app.engine.config import EngineConfig
 from app.engine.streams import DeltaStreams
 from app.protocol.errors import RemoteError, ShoalError
-from app.protocol.messages import ContextOp
-from app.protocol.outputs import TokenDelta
-from app.protocol.sampling import SamplingParams
+from app.protocol.messages import EngineRequest
+from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, TokenDelta
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 STALLED_POLL_S = 0.02  # after a step that scheduled nothing: wait this long for a message
+CALL_TIMEOUT_S = 30.0  # a query waits for the step in progress at most
+FILE_TIMEOUT_S = 600.0  # context files can be GBs, and wait for the ones queued before
 
 
-def _error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
+def error_parts(exc: BaseException) -> tuple[int, str, str, str | None]:
+    """An exception as the wire carries it; rebuilt as a RemoteError on the other side."""
     if isinstance(exc, ShoalError):
         return exc.status_code, exc.error_type, exc.message, exc.param
     return 500, "engine_error", f"{type(exc).__name__}: {exc}", None
 
 
-# ---- parent side -----------------------------------------------------------------------
 class EngineProcess:
     def __init__(
         self,
@@ -67,10 +67,11 @@ class EngineProcess:
         start_timeout_s: float = 900.0,
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """`tp_master`: with tensor_parallel_size > 1, the "host:port" where this engine
-        (rank 0) meets its shards (app.engine.shard), which the caller starts.
-        `on_death` is called (from the reader thread) after the engine died unasked and
-        every stream got the error."""
+        """Start the child and wait until its model is loaded (a load failure is raised
+        here, as a RemoteError). `tp_master`: with tensor_parallel_size > 1, the
+        "host:port" where this engine (rank 0) meets its shards (app.engine.shard), which
+        the caller starts. `on_death` is called (from the reader thread) after the engine
+        died unasked and every stream got the error."""
         self.config = config
         self._on_death = on_death
         self._streams = DeltaStreams()
@@ -79,18 +80,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._stopping = False
         self._error: BaseException | None = None
-        parent_end, child_end = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # Ray sets OMP_NUM_THREADS to the replica's num_cpus; the engine wants its own.
-        env["OMP_NUM_THREADS"] = str(config.threads)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "app.engine.engine_process", str(child_end.fileno())],
-            pass_fds=[child_end.fileno()],
-            env=env,
-        )
-        child_end.close()
-        self._conn = Connection(parent_end.detach())
+        self._proc, self._conn = _spawn(config)
         try:
             self._conn.send((config.model_dump(mode="json"), tp_master))
             if not self._conn.poll(start_timeout_s):
@@ -107,9 +97,9 @@ class EngineProcess:
         if first[0] == "fatal":
             self._proc.wait()
             raise RemoteError(*first[1:])
-        self.info: dict[str, Any] = first[1]
-        self.last_message_at = time.monotonic()
-        self.stalled_s = 0.0  # as of the last message
+        self.info: EngineInfo = first[1]
+        self._last_message_at = time.monotonic()
+        self._stalled_s = 0.0  # as of the last message
         self._reader = threading.Thread(target=self._read_loop, name="shoal-engine-io", daemon=True)
         self._reader.start()
 
@@ -123,15 +113,13 @@ class EngineProcess:
         return self._error is None and self._proc.poll() is None
 
     def check_health(self, stuck_after_s: float = 60.0, stalled_after_s: float = 60.0) -> None:
-        """Raise when the process is gone, busy but silent for too long, or has had work
-        waiting with nothing scheduled for too long."""
         if not self.is_alive:
             raise EngineDeadError(self._death())
-        if len(self._streams) and time.monotonic() - self.last_message_at > stuck_after_s:
+        if len(self._streams) and time.monotonic() - self._last_message_at > stuck_after_s:
             raise EngineDeadError(f"engine has not completed a step in {stuck_after_s:.0f}s")
-        if len(self._streams) and self.stalled_s > stalled_after_s:
+        if len(self._streams) and self._stalled_s > stalled_after_s:
             raise EngineDeadError(
-                f"engine has had requests waiting and scheduled none for {self.stalled_s:.0f}s"
+                f"engine has had requests waiting and scheduled none for {self._stalled_s:.0f}s"
             )
 
     def _death(self) -> str:
@@ -140,31 +128,23 @@ class EngineProcess:
         return f"engine process exited with code {self._proc.poll()}"
 
     # ---- requests -----------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        context: ContextOp | None = None,
-    ) -> AsyncIterator[TokenDelta]:
-        """With `context`, a Fill or Generate on it: `prompt_token_ids` are the tokens it
-        adds (see LLMEngine.add_context_request)."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         if not self.is_alive:
             raise EngineUnavailableError(self._death())
         if not len(self._streams):
-            self.last_message_at = time.monotonic()  # idle until now: not stuck
-        queue = self._streams.open(request_id)
+            self._last_message_at = time.monotonic()  # idle until now: not stuck
+        rid = request.request_id
+        queue = self._streams.open(rid)
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params, context))
+            self._send(("add", request))
         except EngineDeadError as exc:
-            self._streams.close(request_id, queue)
+            self._streams.close(rid, queue)
             raise EngineUnavailableError(str(exc)) from exc
         except BaseException:
-            self._streams.close(request_id, queue)
+            self._streams.close(rid, queue)
             raise
-        async for delta in self._streams.iterate(
-            request_id, queue, params.n, lambda: self.abort(request_id)
-        ):
+        num_outputs = 1 if request.context is not None else request.params.n
+        async for delta in self._streams.iterate(rid, queue, num_outputs, lambda: self.abort(rid)):
             yield delta
 
     def abort(self, request_id: str) -> None:
@@ -172,8 +152,31 @@ class EngineProcess:
             with contextlib.suppress(EngineDeadError):
                 self._send(("abort", request_id))
 
-    async def call(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
-        """Run one of the engine process's named calls (see `_CALLS`) and return its value."""
+    # ---- queries ------------------------------------------------------------------
+    async def stats(self) -> dict:
+        return await self._call("stats")
+
+    async def slots(self) -> list[SlotInfo]:
+        return await self._call("slots")
+
+    async def context_tokens(self, context_id: str) -> list[int]:
+        return await self._call("context_tokens", context_id)
+
+    async def free_context(self, context_id: str) -> int:
+        return await self._call("free_context", context_id)
+
+    async def save_context(
+        self, context_id: str, path: str, quota_bytes: int | None = None
+    ) -> ContextFile:
+        args = (context_id, path, quota_bytes)
+        return await self._call("save_context", *args, timeout_s=FILE_TIMEOUT_S)
+
+    async def restore_context(self, context_id: str, path: str) -> ContextFile:
+        args = (context_id, path)
+        return await self._call("restore_context", *args, timeout_s=FILE_TIMEOUT_S)
+
+    async def _call(self, name: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """Run one of the child's named calls and return its value."""
         if not self.is_alive:
             raise EngineDeadError(self._death())
         call_id = next(self._call_ids)
@@ -210,10 +213,10 @@ class EngineProcess:
         try:
             while True:
                 message = self._conn.recv()
-                self.last_message_at = time.monotonic()
+                self._last_message_at = time.monotonic()
                 kind = message[0]
                 if kind == "deltas":
-                    self.stalled_s = message[2]
+                    self._stalled_s = message[2]
                     self._streams.dispatch(message[1])
                 elif kind == "error":
                     self._streams.fail(message[1], RemoteError(*message[2:]))
@@ -223,6 +226,10 @@ class EngineProcess:
                     self._error = EngineDeadError(f"engine failed: {message[3]}")
         except (EOFError, OSError):
             pass
+        self._fail_everything()
+
+    def _fail_everything(self) -> None:
+        """The child is gone: end every stream and call, then tell the owner."""
         if self._error is None and not self._stopping:
             self._error = EngineDeadError(self._death())
         if self._error is not None:
@@ -230,7 +237,7 @@ class EngineProcess:
         error = self._error or EngineDeadError("engine stopped")
         self._streams.fail_all(error)
         for call_id in list(self._calls):
-            self._resolve(call_id, False, _error_parts(error))
+            self._resolve(call_id, False, error_parts(error))
         if self._error is not None and self._on_death is not None:
             self._on_death(self._error)
 
@@ -252,137 +259,17 @@ class EngineProcess:
             loop.call_soon_threadsafe(settle)
 
 
-# ---- child side ------------------------------------------------------------------------
-_CALLS = {
-    "stats": lambda engine: engine.stats_snapshot(),
-    "free_context": lambda engine, context_id: engine.free_context(context_id),
-    "context_tokens": lambda engine, context_id: engine.context_tokens(context_id),
-    "slots": lambda engine: engine.slots(),
-    "save_context": lambda engine, *args: engine.save_context(*args),
-    "restore_context": lambda engine, context_id, path: engine.restore_context(context_id, path),
-}
-# File I/O: run by one worker thread, never on the step loop (the engine locks what it
-# touches).
-_THREADED_CALLS = {"save_context", "restore_context"}
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent dies, even in the middle of a step."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the closed socket still ends the loop
-
-
-def _serve(conn: Connection) -> int:
-    import torch
-
-    from app.engine.engine import LLMEngine
-    from app.engine.shard import HEARTBEAT
-    from app.models.parallel import TPGroup, init_tp_group
-
-    config_json, tp_master = conn.recv()
-    config = EngineConfig.model_validate(config_json)
-    try:
-        torch.set_num_threads(config.threads)
-        tp = TPGroup()
-        if config.tensor_parallel_size > 1:
-            tp = init_tp_group(
-                0, config.tensor_parallel_size, tp_master, config.torch_distributed_backend
-            )
-        engine = LLMEngine(config, tp=tp)
-    except Exception as exc:
-        logger.exception("engine failed to start")
-        conn.send(("fatal", *_error_parts(exc)))
-        return 1
-    send_lock = threading.Lock()
-    # One at a time: each holds a copy of a context's KV, and the quota check of a save
-    # must see the file of the save before it.
-    slot_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-slot-io")
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
-    def run_call(call_id: int, name: str, args: tuple) -> None:
-        try:
-            send(("reply", call_id, True, _CALLS[name](engine, *args)))
-        except (OSError, EOFError):
-            pass  # the parent is gone
-        except Exception as exc:
-            with contextlib.suppress(OSError):
-                send(("reply", call_id, False, _error_parts(exc)))
-
-    send(("ready", {"model": engine.source.name, "max_model_len": engine.max_model_len}))
-    last_sent = time.monotonic()
-    while True:
-        if not engine.has_work:
-            timeout = HEARTBEAT_S
-            tp.broadcast_object(HEARTBEAT)  # idle shards stay in touch (see app.engine.shard)
-        else:
-            timeout = 0.0 if engine.last_step_scheduled else STALLED_POLL_S
-        while conn.poll(timeout):
-            message = conn.recv()
-            kind = message[0]
-            if kind == "add":
-                _, request_id, token_ids, params, context = message
-                try:
-                    if context is None:
-                        engine.add_request(request_id, token_ids, params)
-                    else:
-                        engine.add_context_request(request_id, context, token_ids, params)
-                except Exception as exc:
-                    send(("error", message[1], *_error_parts(exc)))
-            elif kind == "abort":
-                engine.abort(message[1])
-            elif kind == "call":
-                _, call_id, name, args = message
-                if name in _THREADED_CALLS:
-                    slot_io.submit(run_call, call_id, name, args)
-                else:
-                    run_call(call_id, name, args)
-            elif kind == "stop":
-                tp.broadcast_object(None)
-                return 0
-            timeout = 0.0
-        if not engine.has_work:
-            continue
-        try:
-            deltas = engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed")
-            send(("fatal", *_error_parts(exc)))
-            return 1
-        now = time.monotonic()
-        if deltas or now - last_sent > HEARTBEAT_S:
-            send(("deltas", deltas, engine.stalled_s))
-            last_sent = now
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    _die_with_parent()
-    conn = Connection(int(sys.argv[1]))
-    try:
-        return _serve(conn)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return 0  # the parent is gone
-    except Exception as exc:  # e.g. a shard died under a heartbeat
-        logger.exception("engine failed")
-        with contextlib.suppress(OSError):
-            conn.send(("fatal", *_error_parts(exc)))
-        return 1
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def _spawn(config: EngineConfig) -> tuple[subprocess.Popen, Connection]:
+    """The child process and this end of its socket."""
+    parent_end, child_end = socket.socketpair()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    # Ray sets OMP_NUM_THREADS to the replica's num_cpus; the engine wants its own.
+    env["OMP_NUM_THREADS"] = str(config.threads)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.engine.engine_child", str(child_end.fileno())],
+        pass_fds=[child_end.fileno()],
+        env=env,
+    )
+    child_end.close()
+    return proc, Connection(parent_end.detach())

@@ -7,12 +7,17 @@ seeded sequence draws E from its own generator, so its output never depends on w
 else is in the batch.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from app.engine.sequence import Sequence
 from app.protocol.outputs import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+Picked = tuple[int, TokenLogprob | None] | Exception  # one row's token, or why it has none
 
 
 @dataclass
@@ -54,6 +59,24 @@ class Sampler:
                         raw_logprobs[i], token_list[i], seq.params.logprobs
                     )
         return SampleResult(token_list, logprobs)
+
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked]:
+        """The batch's tokens; if sampling the batch fails, row by row, so that only the
+        sequences whose rows fail get an exception (one bad request's params never end
+        the others')."""
+        try:
+            result = self(logits, seqs)
+            return list(zip(result.token_ids, result.logprobs, strict=True))
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling row by row", len(seqs))
+        picked: list[Picked] = []
+        for i, seq in enumerate(seqs):
+            try:
+                one = self(logits[i : i + 1], [seq])
+                picked.append((one.token_ids[0], one.logprobs[0]))
+            except Exception as exc:
+                picked.append(exc)
+        return picked
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         needs = [

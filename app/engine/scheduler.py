@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from app.engine.block_manager import BlockManager, CopyOnWrite
 from app.engine.sequence import Sequence, SequenceStatus
 from app.protocol.errors import ContextLengthExceededError, InvalidRequestError
-from app.protocol.outputs import FinishReason
+from app.protocol.outputs import FinishReason, SlotInfo
 
 
 @dataclass
@@ -91,9 +91,41 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running[seq] = None
 
+    def fork_pending(self, seq: Sequence, into: list[Sequence]) -> None:
+        """At its first token, a request of n > 1 outputs forks the n - 1 others: each
+        shares its blocks and joins the batch at once. Each child is appended to `into`
+        as soon as it runs, so a failure midway leaves none unaccounted for."""
+        while seq.pending_forks:
+            index = seq.params.n - seq.pending_forks
+            seq.pending_forks -= 1
+            child = seq.fork(index)
+            self.block_manager.fork(seq, child)
+            self.add_running(child)
+            into.append(child)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def slots(self) -> list[SlotInfo]:
+        """`max_num_seqs` seats (more while more are busy): each running, then waiting,
+        sequence holds one, in admission order; the rest are idle."""
+        busy = [(s, "running") for s in self.running] + [(s, "waiting") for s in self.waiting]
+        slots = [
+            SlotInfo(
+                index=i,
+                state=state,
+                max_model_len=self.max_model_len,
+                request_id=seq.request_id,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                params=seq.params,
+            )
+            for i, (seq, state) in enumerate(busy)
+        ]
+        idle = range(len(busy), self.max_num_seqs)
+        return slots + [SlotInfo(i, "idle", self.max_model_len) for i in idle]
 
     # ---- one step -----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

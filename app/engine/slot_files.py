@@ -11,6 +11,7 @@ most 255 bytes, no leading dot.
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,18 @@ def save(
     return path.stat().st_size
 
 
-def load(
-    path: Path, fingerprint: dict[str, Any], max_bytes: int
-) -> tuple[list[int], int, torch.Tensor]:
+@dataclass(frozen=True)
+class SlotFile:
+    """What a file held: its tokens, how many of them have KV, the KV, the file's size."""
+
+    tokens: list[int]
+    computed: int
+    kv: torch.Tensor  # (layers, 2, blocks, *block shape), on the CPU
+    num_bytes: int
+
+
+def load(path: Path, fingerprint: dict[str, Any], max_bytes: int) -> SlotFile:
+    """Read and check a file written by `save`; refuse one over `max_bytes` unread."""
     if torch_version() < SAFE_TORCH:
         raise NotImplementedByServerError(
             f"slot restore needs torch >= {SAFE_TORCH[0]}.{SAFE_TORCH[1]} (CVE-2025-32434), "
@@ -122,4 +132,4 @@ def load(
             f"({payload.get('fingerprint')}), this one is {fingerprint}",
             param="filename",
         )
-    return tokens, computed, kv
+    return SlotFile(tokens, computed, kv, size)

@@ -1,7 +1,21 @@
-"""EngineStats: a snapshot of what the engine is doing, taken after each step."""
+"""EngineStats: what the engine is doing, as counters and figures.
+
+Two kinds of fields, kept two ways so that no step pays for a scan:
+- step counters (steps, batch sizes, tokens computed and generated, step time) are added
+  by `record_step` after each step that ran a forward;
+- state figures (queues, KV blocks, preemptions, prefix hits) are read by `record_state`
+  from counters the scheduler and block manager keep incrementally (O(1) each), after
+  every step and abort and when the stats are asked for;
+- context figures that cost a pass over the contexts, and the stall time, are filled in
+  only when the stats are asked for (LLMEngine.stats_snapshot).
+"""
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.engine.block_manager import BlockManager
+    from app.engine.scheduler import ScheduledBatch, Scheduler
 
 
 @dataclass
@@ -43,3 +57,36 @@ class EngineStats:
         d["kv_usage"] = self.kv_usage
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
+
+    def record_step(
+        self, num_tokens: int, num_seqs: int, num_sampled: int, num_prefill_tokens: int
+    ) -> None:
+        """One forward of `num_seqs` sequences and `num_tokens` tokens, of which
+        `num_prefill_tokens` were prompt tokens; `num_sampled` tokens came out."""
+        self.num_steps += 1
+        self.batch_num_tokens, self.batch_num_seqs = num_tokens, num_seqs
+        self.max_batch_num_seqs = max(self.max_batch_num_seqs, num_seqs)
+        self.num_generated_tokens += num_sampled
+        self.num_prompt_tokens += num_prefill_tokens
+
+    def record_state(
+        self, scheduler: "Scheduler", block_manager: "BlockManager", num_contexts: int
+    ) -> None:
+        bm = block_manager.stats()
+        self.num_contexts = num_contexts
+        self.num_running = len(scheduler.running)
+        self.num_waiting = len(scheduler.waiting)
+        self.kv_blocks_total, self.kv_blocks_free = bm.total, bm.free
+        self.kv_blocks_used, self.kv_blocks_cached = bm.used, bm.cached
+        self.num_preemptions = scheduler.num_preemptions
+        self.prefix_cache_hit_tokens = bm.prefix_hit_tokens
+        self.prefix_cache_query_tokens = bm.prefix_query_tokens
+
+
+def num_prefill_tokens(batch: "ScheduledBatch") -> int:
+    """Prompt tokens among a scheduled batch's (taken before the forward: a decode's
+    token is an output token, a chunk's are prompt tokens)."""
+    return sum(
+        max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+        for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+    )

@@ -4,8 +4,10 @@ import asyncio
 
 import pytest
 
-from app.engine.async_engine import AsyncEngine, EngineDeadError
+from app.engine.async_engine import AsyncEngine
+from app.engine.client import EngineDeadError
 from app.protocol import FinishReason, InvalidRequestError, SamplingParams
+from app.protocol.messages import EngineRequest
 from tests.helpers import tiny_engine
 
 
@@ -17,7 +19,7 @@ def async_engine(tiny_llama):
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams):
-    return [d async for d in engine.generate(rid, prompt, params)]
+    return [d async for d in engine.generate(EngineRequest(rid, prompt, params))]
 
 
 def test_streams_match_offline_generate(async_engine):
@@ -50,7 +52,7 @@ def test_cancelled_consumer_aborts_and_frees_blocks(async_engine):
 
     async def main():
         received = 0
-        async for _ in async_engine.generate("long", [1, 2, 3, 4], params):
+        async for _ in async_engine.generate(EngineRequest("long", [1, 2, 3, 4], params)):
             received += 1
             if received == 3:
                 break  # the client went away
@@ -88,7 +90,9 @@ def test_health_fails_when_a_step_hangs(async_engine):
     async_engine.engine.step = hung_step
 
     async def main():
-        stream = async_engine.generate("hang", [1, 2, 3], SamplingParams(max_tokens=2))
+        stream = async_engine.generate(
+            EngineRequest("hang", [1, 2, 3], SamplingParams(max_tokens=2))
+        )
         task = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.5)
         with pytest.raises(EngineDeadError, match="has not completed a step"):
@@ -116,3 +120,45 @@ def test_dead_loop_fails_streams_and_health(async_engine):
         async_engine.check_health()
     with pytest.raises(EngineDeadError):  # new requests are refused, never hang
         asyncio.run(collect(async_engine, "after", [1, 2], SamplingParams(max_tokens=2)))
+
+
+def test_contexts_and_queries_through_the_client(async_engine, tmp_path, monkeypatch):
+    """AsyncEngine is an EngineClient like EngineProcess: contexts, queries and context
+    files, the files written by a worker thread, never by the step loop."""
+    import threading
+
+    from app.engine import slot_files
+    from app.engine.client import EngineClient
+    from app.protocol.messages import ContextAction, ContextOp
+
+    assert isinstance(async_engine, EngineClient)
+    assert async_engine.info.model == async_engine.engine.source.name
+    writers: list[str] = []
+    save = slot_files.save
+
+    def recording_save(*args):  # noqa: ANN002, ANN202
+        writers.append(threading.current_thread().name)
+        return save(*args)
+
+    monkeypatch.setattr(slot_files, "save", recording_save)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    fill, gen = ContextOp("c", ContextAction.FILL), ContextOp("c", ContextAction.GENERATE)
+
+    async def run(rid: str, tokens: list[int], op: ContextOp) -> list[int]:
+        request = EngineRequest(rid, tokens, params, op)
+        return [t async for d in async_engine.generate(request) for t in d.token_ids]
+
+    async def main() -> None:
+        await run("f", [1, 2, 3, 4, 5], fill)
+        out = await run("g", [], gen)
+        assert await async_engine.context_tokens("c") == [1, 2, 3, 4, 5] + out
+        saved = await async_engine.save_context("c", str(tmp_path / "c.bin"))
+        assert saved.num_tokens == 9 and saved.num_bytes == (tmp_path / "c.bin").stat().st_size
+        assert await async_engine.restore_context("d", str(tmp_path / "c.bin")) == saved
+        assert await async_engine.context_tokens("d") == [1, 2, 3, 4, 5] + out
+        assert await async_engine.free_context("c") == 9
+        assert (await async_engine.stats())["num_contexts"] == 1
+        assert {s.state for s in await async_engine.slots()} == {"idle"}
+
+    asyncio.run(main())
+    assert writers and all(name.startswith("shoal-slot-io") for name in writers)

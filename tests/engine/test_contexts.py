@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from app.engine.context_files import ContextFiles
 from app.protocol import SamplingParams
 from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundError
 from app.protocol.messages import ContextAction, ContextOp
@@ -13,7 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def run(engine, rid: str, op: ContextOp, tokens: list[int], params=GREEDY) -> list[int]:  # noqa: ANN001
-    engine.add_context_request(rid, op, tokens, params)
+    engine.add_request(rid, tokens, params, op)
     out: list[int] = []
     while engine.has_work:
         for d in engine.step():
@@ -82,16 +83,16 @@ def test_generate_with_a_parent_forks_and_leaves_the_parent_alone(engine):
 
 def test_errors(engine):
     with pytest.raises(NotFoundError):
-        engine.add_context_request("x", gen("nobody"), [], GREEDY)
+        engine.add_request("x", [], GREEDY, gen("nobody"))
     with pytest.raises(NotFoundError):
-        engine.add_context_request("x", fill("new", parent="nobody"), [1], GREEDY)
+        engine.add_request("x", [1], GREEDY, fill("new", parent="nobody"))
     with pytest.raises(InvalidRequestError):
-        engine.add_context_request("x", fill("new"), [], GREEDY)
+        engine.add_request("x", [], GREEDY, fill("new"))
     with pytest.raises(NotFoundError):
         engine.free_context("nobody")
-    engine.add_context_request("busy", fill("c"), [1, 2, 3], GREEDY)
+    engine.add_request("busy", [1, 2, 3], GREEDY, fill("c"))
     with pytest.raises(ConflictError):  # one primitive at a time on a context
-        engine.add_context_request("again", gen("c"), [], GREEDY)
+        engine.add_request("again", [], GREEDY, gen("c"))
     while engine.has_work:
         engine.step()
     assert "nobody" not in engine.contexts.contexts
@@ -99,7 +100,7 @@ def test_errors(engine):
 
 def test_abort_leaves_the_context_as_it_was(engine):
     run(engine, "f", fill("c"), [1, 2, 3, 4, 5])
-    engine.add_context_request("g", gen("c"), [], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("g", [], SamplingParams(max_tokens=50, ignore_eos=True), gen("c"))
     engine.step()
     engine.step()
     engine.abort("g")
@@ -115,12 +116,14 @@ def test_save_restore_gives_the_same_continuation(engine, tiny_llama, tmp_path):
     run(engine, "f", fill("s"), list(range(1, 12)))
     run(engine, "g", gen("s"), [])
     path = slot_files.checked_path(tmp_path, "slot-1.bin")
-    saved = engine.save_context("s", str(path))
-    assert saved["n_saved"] == len(engine.context_tokens("s"))
+    saved = ContextFiles(engine).save("s", str(path))
+    assert saved.num_tokens == len(engine.context_tokens("s"))
+    assert saved.num_bytes == path.stat().st_size
     expected = run(engine, "g2", gen("s"), [])
     # Restore into a fresh engine (another replica of the same model): same continuation.
     other = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
-    other.restore_context("s", str(path))
+    restored = ContextFiles(other).restore("s", str(path))
+    assert restored == saved  # the same tokens, the same file
     assert run(other, "g3", gen("s"), []) == expected
     assert other.stats.num_prompt_tokens <= 1  # nothing recomputed but the last token
     # Erase: the context is gone and its blocks are free.
@@ -133,13 +136,13 @@ def test_bad_slot_files_are_refused_and_the_engine_stays_well(engine, tiny_llama
 
     run(engine, "f", fill("s"), [1, 2, 3, 4, 5, 6])
     good = slot_files.checked_path(tmp_path, "good")
-    engine.save_context("s", str(good))
+    ContextFiles(engine).save("s", str(good))
     corrupt = tmp_path / "corrupt"
     corrupt.write_bytes(good.read_bytes()[:100])
     other_model = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=8)  # another layout
     for target, path in ((engine, corrupt), (other_model, good), (engine, tmp_path / "none")):
         with pytest.raises(InvalidRequestError):
-            target.restore_context("x", str(path))
+            ContextFiles(target).restore("x", str(path))
     assert "x" not in engine.contexts.contexts
     assert len(run(engine, "g", gen("s"), [])) == GREEDY.max_tokens
 
@@ -212,11 +215,11 @@ def test_past_max_contexts_the_least_recently_used_idle_one_is_dropped(tiny_llam
     run(engine, "4", fill("c"), [7, 8, 9])
     assert set(engine.contexts.contexts) == {"a", "c"}
     with pytest.raises(ContextGoneError) as info:
-        engine.add_context_request("5", gen("b"), [], GREEDY)
+        engine.add_request("5", [], GREEDY, gen("b"))
     assert info.value.status_code == 410 and "'b'" in info.value.message
     assert "max_contexts" in info.value.message
     with pytest.raises(NotFoundError):  # said once; then the id is free again
-        engine.add_context_request("6", gen("b"), [], GREEDY)
+        engine.add_request("6", [], GREEDY, gen("b"))
     assert engine.stats_snapshot()["num_context_drops"] == 1
 
 
@@ -224,9 +227,9 @@ def test_busy_contexts_are_never_dropped_a_new_one_waits_for_room(tiny_llama):
     from app.protocol.errors import CapacityError
 
     engine = tiny_engine(tiny_llama, max_contexts=1)
-    engine.add_context_request("f", fill("a"), [1, 2, 3], GREEDY)  # in flight: busy
+    engine.add_request("f", [1, 2, 3], GREEDY, fill("a"))  # in flight: busy
     with pytest.raises(CapacityError) as info:
-        engine.add_context_request("g", fill("b"), [4, 5], GREEDY)
+        engine.add_request("g", [4, 5], GREEDY, fill("b"))
     assert info.value.status_code == 429
     while engine.has_work:
         engine.step()
@@ -241,13 +244,13 @@ def test_max_context_tokens_drops_the_least_recently_used(tiny_llama):
     run(engine, "3", fill("c"), [5, 6, 7])
     assert set(engine.contexts.contexts) == {"b", "c"}
     with pytest.raises(InvalidRequestError, match="max_context_tokens"):  # alone too big
-        engine.add_context_request("4", fill("d"), list(range(1, 25)), GREEDY)
+        engine.add_request("4", list(range(1, 25)), GREEDY, fill("d"))
     assert "d" not in engine.contexts.contexts
 
 
 def test_a_busy_context_cannot_be_freed_and_its_result_never_lands_elsewhere(engine):
     run(engine, "f", fill("c"), [1, 2, 3, 4, 5])
-    engine.add_context_request("g", gen("c"), [], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("g", [], SamplingParams(max_tokens=5, ignore_eos=True), gen("c"))
     engine.step()
     with pytest.raises(ConflictError):
         engine.free_context("c")
@@ -260,7 +263,7 @@ def test_a_busy_context_cannot_be_freed_and_its_result_never_lands_elsewhere(eng
 def test_a_failed_first_primitive_leaves_no_context_behind(engine):
     too_long = SamplingParams(max_tokens=10_000)
     with pytest.raises(InvalidRequestError):
-        engine.add_context_request("g", gen("new"), [1, 2, 3], too_long)
+        engine.add_request("g", [1, 2, 3], too_long, gen("new"))
     assert "new" not in engine.contexts.contexts
     assert engine.block_manager.stats().used == 0
 
@@ -272,9 +275,9 @@ def test_slot_files_are_bounded(engine, tmp_path, monkeypatch):
     run(engine, "f", fill("s"), list(range(1, 30)))
     path = slot_files.checked_path(tmp_path, "s.bin")
     with pytest.raises(ConflictError, match="quota"):
-        engine.save_context("s", str(path), quota_bytes=100)
+        ContextFiles(engine).save("s", str(path), quota_bytes=100)
     assert not path.exists()
-    engine.save_context("s", str(path), quota_bytes=10 << 20)
+    ContextFiles(engine).save("s", str(path), quota_bytes=10 << 20)
     # Bigger than any slot of this model: refused before torch reads a byte.
     huge = tmp_path / "huge.bin"
     with huge.open("wb") as f:
@@ -285,10 +288,10 @@ def test_slot_files_are_bounded(engine, tmp_path, monkeypatch):
 
     monkeypatch.setattr(slot_files.torch, "load", no_load)
     with pytest.raises(InvalidRequestError, match="bytes, more than"):
-        engine.restore_context("x", str(huge))
+        ContextFiles(engine).restore("x", str(huge))
     monkeypatch.setattr(slot_files, "torch_version", lambda: (2, 5))
     with pytest.raises(NotImplementedByServerError, match="CVE-2025-32434"):
-        engine.restore_context("x", str(path))
+        ContextFiles(engine).restore("x", str(path))
 
 
 def test_contexts_whose_primitives_all_wait_cannot_hold_every_block(tiny_llama):
@@ -302,7 +305,7 @@ def test_contexts_whose_primitives_all_wait_cannot_hold_every_block(tiny_llama):
     assert engine.block_manager.stats().free <= 1
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for c in prompts:
-        engine.add_context_request(f"g{c}", gen(c), [], params)
+        engine.add_request(f"g{c}", [], params, gen(c))
     out: dict[str, list[int]] = {c: [] for c in prompts}
     for _ in range(300):
         if not engine.has_work:
@@ -330,3 +333,12 @@ def test_a_context_as_large_as_the_cache_can_still_grow(tiny_llama):
             break
         engine.step()
     assert not engine.has_work
+
+
+def test_a_busy_context_cannot_be_saved(engine, tmp_path):
+    from app.engine import slot_files
+
+    engine.add_request("f", [1, 2, 3], GREEDY, fill("c"))  # in flight: busy
+    with pytest.raises(ConflictError) as info:
+        ContextFiles(engine).save("c", str(slot_files.checked_path(tmp_path, "c.bin")))
+    assert info.value.param is None and "busy" in info.value.message

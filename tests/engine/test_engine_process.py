@@ -8,19 +8,12 @@ import time
 import pytest
 
 from app.engine import EngineConfig
-from app.engine.async_engine import EngineDeadError
+from app.engine.client import EngineDeadError
 from app.engine.engine_process import EngineProcess
 from app.protocol import FinishReason, SamplingParams
 from app.protocol.errors import ShoalError
-from tests.helpers import tiny_engine
-
-
-def tiny_config(checkpoint, **overrides) -> EngineConfig:  # noqa: ANN001
-    settings = dict(
-        model=str(checkpoint), dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1
-    )
-    settings.update(overrides)
-    return EngineConfig(**settings)
+from app.protocol.messages import EngineRequest
+from tests.helpers import tiny_config, tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +23,10 @@ def engine_process(tiny_llama):
     proc.shutdown()
 
 
-async def collect(engine, rid: str, prompt: list[int], params: SamplingParams) -> list:  # noqa: ANN001
-    return [d async for d in engine.generate(rid, prompt, params)]
+async def collect(
+    engine, rid: str, prompt: list[int], params: SamplingParams, context=None
+) -> list:  # noqa: ANN001
+    return [d async for d in engine.generate(EngineRequest(rid, prompt, params, context))]
 
 
 def test_streams_match_the_in_process_engine(engine_process, tiny_llama):
@@ -65,12 +60,12 @@ def test_bad_request_gets_its_error_and_the_engine_survives(engine_process):
 def test_consumer_that_leaves_aborts_and_frees_blocks(engine_process):
     async def main() -> dict:
         params = SamplingParams(max_tokens=200, ignore_eos=True)
-        stream = engine_process.generate("long", [1, 2, 3], params)
+        stream = engine_process.generate(EngineRequest("long", [1, 2, 3], params))
         await stream.__anext__()
-        assert (await engine_process.call("stats"))["kv_blocks_used"] > 0
+        assert (await engine_process.stats())["kv_blocks_used"] > 0
         await stream.aclose()
         for _ in range(100):
-            stats = await engine_process.call("stats")
+            stats = await engine_process.stats()
             if stats["kv_blocks_used"] == 0 and stats["num_running"] == 0:
                 return stats
             await asyncio.sleep(0.05)
@@ -78,6 +73,40 @@ def test_consumer_that_leaves_aborts_and_frees_blocks(engine_process):
 
     stats = asyncio.run(main())
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_contexts_and_queries_through_the_process(engine_process, tiny_llama, tmp_path):
+    """Every EngineClient query crosses the wire as neutral values; errors keep their
+    status codes."""
+    from app.engine.client import EngineClient
+    from app.protocol.messages import ContextAction, ContextOp
+    from app.protocol.outputs import ContextFile, EngineInfo
+
+    assert isinstance(engine_process, EngineClient)
+    assert engine_process.info == EngineInfo(str(tiny_llama), 512)
+    fill = ContextOp("p", ContextAction.FILL)
+    gen = ContextOp("p", ContextAction.GENERATE)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main() -> None:
+        assert len(await collect(engine_process, "f", [1, 2, 3, 4, 5], params, fill)) == 1
+        out = await collect(engine_process, "g", [6], params, gen)
+        tokens = [1, 2, 3, 4, 5, 6] + [t for d in out for t in d.token_ids]
+        assert await engine_process.context_tokens("p") == tokens
+        saved = await engine_process.save_context("p", str(tmp_path / "p.bin"))
+        assert saved == ContextFile(len(tokens), (tmp_path / "p.bin").stat().st_size)
+        restored = await engine_process.restore_context("q", str(tmp_path / "p.bin"))
+        assert restored == saved
+        assert await engine_process.context_tokens("q") == tokens
+        slots = await engine_process.slots()
+        assert [s.state for s in slots] == ["idle"] * 128  # max_num_seqs
+        assert await engine_process.free_context("p") == len(tokens)
+        assert await engine_process.free_context("q") == len(tokens)
+        with pytest.raises(ShoalError) as info:
+            await engine_process.context_tokens("p")
+        assert info.value.status_code == 404
+
+    asyncio.run(main())
 
 
 def test_model_load_error_reaches_the_parent(tmp_path):
@@ -90,9 +119,8 @@ def test_killed_engine_ends_streams_and_fails_health(tiny_llama):
     try:
 
         async def main() -> None:
-            stream = proc.generate(
-                "victim", [1, 2], SamplingParams(max_tokens=500, ignore_eos=True)
-            )
+            params = SamplingParams(max_tokens=500, ignore_eos=True)
+            stream = proc.generate(EngineRequest("victim", [1, 2], params))
             await stream.__anext__()
             os.kill(proc._proc.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
@@ -119,10 +147,12 @@ def test_slot_files_are_written_off_the_step_loop(tmp_path):
         async def main() -> tuple[int, float, int]:
             ids = [100 + (i * 7919) % 40000 for i in range(6000)]
             fill = ContextOp("big", ContextAction.FILL)
-            async for _ in proc.generate("fill", ids, SamplingParams(max_tokens=1), fill):
+            async for _ in proc.generate(
+                EngineRequest("fill", ids, SamplingParams(max_tokens=1), fill)
+            ):
                 pass
             params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-            stream = proc.generate("stream", [1, 2, 3], params)
+            stream = proc.generate(EngineRequest("stream", [1, 2, 3], params))
             await anext(stream)
             arrivals: list[float] = []
 
@@ -133,11 +163,12 @@ def test_slot_files_are_written_off_the_step_loop(tmp_path):
             consumer = asyncio.create_task(consume())
             await asyncio.sleep(0.5)
             started = time.monotonic()
-            saved = await proc.call("save_context", "big", str(tmp_path / "big.bin"), None)
+            saved = await proc.save_context("big", str(tmp_path / "big.bin"))
             ended = time.monotonic()
             consumer.cancel()
             during = sum(1 for t in arrivals if started < t < ended)
-            return during, ended - started, saved["n_written"]
+            assert saved.num_tokens == len(ids)
+            return during, ended - started, saved.num_bytes
 
         during, seconds, size = asyncio.run(main())
         print(f"save of {size / 1e6:.0f} MB took {seconds:.2f} s; {during} deltas meanwhile")

@@ -9,9 +9,9 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine_process import EngineProcess
 from app.protocol import FinishReason, InvalidRequestError, SamplingParams
 from app.protocol.errors import ConflictError, ShoalError
+from app.protocol.messages import EngineRequest
 from app.protocol.sampling import MAX_LOGIT_BIAS, MAX_SEED
-from tests.engine.test_engine_process import tiny_config
-from tests.helpers import TINY_VOCAB, tiny_engine
+from tests.helpers import TINY_VOCAB, tiny_config, tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -88,7 +88,7 @@ def test_the_error_reaches_only_its_stream_through_the_engine_process(tiny_llama
     proc = EngineProcess(tiny_config(tiny_llama))
 
     async def collect(rid: str, params: SamplingParams) -> list:
-        return [d async for d in proc.generate(rid, [1, 2, 3], params)]
+        return [d async for d in proc.generate(EngineRequest(rid, [1, 2, 3], params))]
 
     async def main() -> None:
         good = asyncio.create_task(collect("good", GREEDY))
@@ -147,10 +147,10 @@ def test_duplicate_stream_ids_leave_the_first_stream_alone(tiny_llama):
 
     async def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-        first = engine.generate("same", [1, 2, 3], params)
+        first = engine.generate(EngineRequest("same", [1, 2, 3], params))
         got = [await anext(first)]
         with pytest.raises(ConflictError):
-            await anext(engine.generate("same", [4, 5], GREEDY))
+            await anext(engine.generate(EngineRequest("same", [4, 5], GREEDY)))
         got += [d async for d in first]
         assert sum(len(d.token_ids) for d in got) == 30
 

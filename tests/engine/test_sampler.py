@@ -142,7 +142,7 @@ def test_n_outputs_share_the_prompt_blocks(tiny_llama):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     eng.add_request("r", list(range(1, 18)), params)  # 17 tokens: 4 full blocks + 1 partial
     eng.step()  # prefill, then fork
-    seqs = eng.requests["r"]
+    seqs = eng.requests.family("r")
     assert len(seqs) == 3
     assert seqs[0].block_table[:4] == seqs[1].block_table[:4] == seqs[2].block_table[:4]
     assert eng.block_manager.stats().used == 5  # shared until each writes its own token

@@ -84,7 +84,7 @@ def test_abort_frees_blocks_at_once(tiny_llama):
     eng.step()
     assert eng.block_manager.stats().used > 0
     assert eng.abort("a")
-    used_b = len(eng.requests["b"][0].block_table)
+    used_b = len(eng.requests.family("b")[0].block_table)
     assert eng.block_manager.stats().used == used_b
     assert eng.abort("b")
     assert eng.block_manager.stats().used == 0
@@ -136,3 +136,22 @@ def test_prefix_cache_hits_across_requests(tiny_llama):
     second = eng.generate([shared + [7, 8]], GREEDY)
     assert eng.stats.prefix_cache_hit_tokens - hits_before == 16
     assert second[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
+def test_slots_are_running_then_waiting_then_idle_seats(tiny_llama):
+    eng = tiny_engine(tiny_llama, max_num_seqs=2)
+    assert [(s.index, s.state, s.request_id) for s in eng.slots()] == [
+        (0, "idle", None),
+        (1, "idle", None),
+    ]
+    for rid in ("a", "b", "c"):
+        eng.add_request(rid, prompt(6), GREEDY)
+    eng.step()
+    slots = eng.slots()
+    assert [(s.index, s.state, s.request_id) for s in slots] == [
+        (0, "running", "a"),
+        (1, "running", "b"),
+        (2, "waiting", "c"),  # more seats while more are busy
+    ]
+    assert slots[0].num_prompt_tokens == 6 and slots[0].num_output_tokens == 1
+    assert slots[0].params == GREEDY and slots[0].max_model_len == eng.max_model_len

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.engine import EngineConfig, LLMEngine
-from app.engine.async_engine import EngineDeadError
+from app.engine.client import EngineDeadError
 from app.engine.engine_process import EngineProcess
 from app.models.attention import select_backend
 from app.models.loader import load_model
@@ -19,7 +19,8 @@ from app.models.parallel import TPGroup
 from app.models.source import resolve_model
 from app.protocol import SamplingParams
 from app.protocol.errors import ShoalError
-from tests.helpers import free_local_address, spawn_local_shards, stop_local_shards
+from app.protocol.messages import EngineRequest
+from tests.helpers import free_local_address, spawn_local_shards, stop_local_shards, tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 45))]
 
@@ -41,7 +42,7 @@ def tp_engine(config: EngineConfig):
 
 def run_all(engine: EngineProcess, params: SamplingParams) -> list[list]:
     async def one(i: int, prompt: list[int]) -> list:
-        return [d async for d in engine.generate(f"r{i}", prompt, params)]
+        return [d async for d in engine.generate(EngineRequest(f"r{i}", prompt, params))]
 
     async def main() -> list[list]:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
@@ -61,22 +62,11 @@ def assert_same_as(reference: LLMEngine, deltas: list[list], params: SamplingPar
             assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)) < 1e-4
 
 
-def tiny_config(checkpoint, size: int) -> EngineConfig:  # noqa: ANN001
-    return EngineConfig(
-        model=str(checkpoint),
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=4,
-        num_threads=1,
-        tensor_parallel_size=size,
-    )
-
-
 def test_tp2_tiny_llama_matches_tp1(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
-    with tp_engine(tiny_config(tiny_llama, 2)) as (engine, _):
+    with tp_engine(tiny_config(tiny_llama, tensor_parallel_size=2)) as (engine, _):
         deltas = run_all(engine, params)
-    assert_same_as(LLMEngine(tiny_config(tiny_llama, 1)), deltas, params)
+    assert_same_as(LLMEngine(tiny_config(tiny_llama)), deltas, params)
 
 
 def test_tp3_smollm2_matches_tp1(smollm2_engine):
@@ -91,12 +81,14 @@ def test_tp3_smollm2_matches_tp1(smollm2_engine):
 
 
 def test_a_dead_shard_ends_streams_and_fails_health(tiny_llama):
-    config = tiny_config(tiny_llama, 2).model_copy(update={"num_kv_blocks": 256})
+    config = tiny_config(tiny_llama, tensor_parallel_size=2).model_copy(
+        update={"num_kv_blocks": 256}
+    )
     with tp_engine(config) as (engine, shards):
 
         async def main() -> float:
             params = SamplingParams(max_tokens=500, ignore_eos=True)
-            stream = engine.generate("victim", [1, 2, 3], params)
+            stream = engine.generate(EngineRequest("victim", [1, 2, 3], params))
             await stream.__anext__()
             os.kill(shards[0].pid, signal.SIGKILL)
             killed = time.monotonic()
