@@ -100,3 +100,18 @@ def stop_local_shards(shards: list[subprocess.Popen], timeout_s: float = 15.0) -
         except subprocess.TimeoutExpired:
             shard.kill()
             shard.wait()
+
+
+def dense_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal_offset: int
+) -> torch.Tensor:
+    """Attention computed densely in float32, the reference for the paged backends.
+    q: (Lq, nh, hd); keys/values: (L, nkv, hd); query i sees keys [0, causal_offset + i]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).float()  # (L, nh, hd)
+    v = values.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
+    lq, lk = q.shape[0], keys.shape[0]
+    visible = torch.arange(lk)[None, :] <= (causal_offset + torch.arange(lq))[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))  # (nh, Lq, L)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)

@@ -22,6 +22,13 @@ from deployments.ingress_app import create_app
 from deployments.model_server import ModelServer
 from deployments.tokenizer import Tokenizer
 
+MODEL = "smollm2-135m-instruct"  # the default model's served name
+
+
+def run(coro: Any) -> Any:
+    """Run one test's scenario on a fresh event loop."""
+    return asyncio.run(coro)
+
 
 class LocalStream:
     """A streaming call's results, from an async generator in this process."""

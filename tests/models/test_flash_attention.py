@@ -14,7 +14,7 @@ import torch
 
 from app.models.attention import BatchLayout, select_backend
 from app.models.flash_attention import FlashAttentionBackend
-from tests.models.test_torch_attention import dense_reference
+from tests.helpers import dense_reference
 
 NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 256, 12
 

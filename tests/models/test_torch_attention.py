@@ -6,20 +6,9 @@ import torch
 
 from app.models.attention import BatchLayout
 from app.models.torch_attention import TorchPagedAttention
+from tests.helpers import dense_reference
 
 NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 4, 64
-
-
-def dense_reference(q, keys, values, causal_offset):
-    # q: (Lq, nh, hd); keys/values: (L, nkv, hd); query i sees keys [0, causal_offset + i]
-    group = NH // NKV
-    k = keys.repeat_interleave(group, dim=1).float()
-    v = values.repeat_interleave(group, dim=1).float()
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * HD**-0.5
-    lq, lk = q.shape[0], keys.shape[0]
-    visible = torch.arange(lk)[None, :] <= (causal_offset + torch.arange(lq))[:, None]
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
 
 def make_backend(use_kernels: bool) -> TorchPagedAttention:
