@@ -213,7 +213,12 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         """Where a new context goes: the power of two choices, decided here (it is pinned
         before Serve sees the queues), preferring a replica that is not full."""
         pair = self._power_of_two(candidates, pending) or candidates
-        pool = self.select_available_replicas(pair) or pair
+        # Both full: any replica with room rather than waiting (pinned) for a full one.
+        pool = (
+            self.select_available_replicas(pair)
+            or self.select_available_replicas(candidates)
+            or pair
+        )
         return least_loaded([r.replica_id.unique_id for r in pool], self._loads(pool))
 
     def _prefix_holders(

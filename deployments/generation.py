@@ -50,6 +50,17 @@ def replica_failure(exc: Exception) -> RemoteError:
     return RemoteError(503, "service_unavailable", message, None)
 
 
+def overloaded(exc: BackPressureError) -> OverloadedError:
+    """Serve's refusal of a handle call when the deployment's queue is full. Serve installs
+    its own plain-text handler for it in the ingress app, so it is turned into ours where
+    the call is made."""
+    return OverloadedError(
+        f"model is overloaded: {exc.message} Retry later.",
+        exc.status_code,
+        exc.retry_after_s or 1.0,
+    )
+
+
 def as_error(message: EngineErrorMessage) -> RemoteError:
     return RemoteError(message.status_code, message.error_type, message.message, message.param)
 
@@ -141,20 +152,16 @@ class Generation:
         try:
             first = await self._first_item()
         except BackPressureError as exc:
-            # Serve installs its own plain-text handler for this error in the ingress app,
-            # so it is turned into ours here, where the handle call is made. Nothing was
-            # sent, so there is nothing to cancel (and cancelling would raise it again).
-            raise OverloadedError(
-                f"model is overloaded: {exc.message} Retry later.",
-                exc.status_code,
-                exc.retry_after_s or 1.0,
-            ) from None
+            # Nothing was sent, so there is nothing to cancel (and cancelling would raise
+            # it again).
+            raise overloaded(exc) from None
         except BaseException:  # cancelled while waiting (client gone), or refused
             self.cancel()
             raise
         if isinstance(first, EngineErrorMessage):
             self.cancel()
             raise as_error(first)
+        self._arrived(first)
         self._first = first
 
     async def _first_item(self) -> TokenDelta | EngineErrorMessage:
@@ -206,8 +213,6 @@ class Generation:
                 continue  # already cut by a stop string
             out.token_ids.extend(item.token_ids)
             self.cached_tokens = max(self.cached_tokens, item.num_cached_tokens)
-            if item.token_ids:
-                self._timer.tokens(len(item.token_ids))
             delta = self._advance(out, item)
             if delta is not None:
                 yield delta
@@ -237,12 +242,20 @@ class Generation:
             return TextDelta(out.index, text, lps, reason, item.token_ids)
         return None
 
+    def _arrived(self, item: TokenDelta) -> None:
+        """Time and count tokens as they arrive (TTFT, inter-token latency), not as the
+        consumer reads them."""
+        if item.token_ids:
+            self._timer.tokens(len(item.token_ids))
+
     async def _items(self) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
         if self._first is not None:
             first, self._first = self._first, None
             yield first
         try:
             async for item in self._stream:
+                if isinstance(item, TokenDelta):
+                    self._arrived(item)
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             raise

@@ -7,11 +7,13 @@ state, so a route can run in-process over local deployments (tests) as well as i
 Serve replica (deployments/ingress_app.py). No model work happens here.
 """
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer
@@ -20,8 +22,10 @@ from app.protocol.messages import ContextOp, EngineRequest
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
 from deployments.config import AppConfig, ModelDeploymentConfig
-from deployments.generation import Generation
+from deployments.generation import Generation, overloaded
 from deployments.metrics import IngressMetrics, TokenTimer
+
+logger = logging.getLogger("ray.serve")
 
 
 class UnknownModelError(ShoalError):
@@ -110,12 +114,21 @@ class Ingress:
         self.model(model)
         try:
             return await getattr(self._calls[model], method).remote(*args)
+        except BackPressureError as exc:
+            raise overloaded(exc) from None
         except Exception as exc:
             raise unwrap(exc) from None
 
     async def engines(self) -> list[dict]:
-        """The live replicas and their last heartbeat (see EngineRegistry)."""
-        return [] if self.registry is None else await self.registry.list.remote()
+        """The live replicas and their last heartbeat (see EngineRegistry); none while
+        the registry cannot answer (restarting), rather than failing the caller."""
+        if self.registry is None:
+            return []
+        try:
+            return await self.registry.list.remote()
+        except Exception as exc:
+            logger.warning("engine registry unavailable: %r", exc)
+            return []
 
     async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.tokenizer.encode.remote(model, text, add_special_tokens)

@@ -49,9 +49,10 @@ class IngressMetrics:
             if not info:
                 continue  # registered, no heartbeat yet
             labels = (engine["engine_name"], engine["engine_id"])
-            self.running.labels(*labels).set(info["num_running"])
-            self.waiting.labels(*labels).set(info["num_waiting"])
-            self.kv_usage.labels(*labels).set(info["kv_usage"])
+            # .get: a replica of an older version may not send every figure.
+            self.running.labels(*labels).set(info.get("num_running", 0))
+            self.waiting.labels(*labels).set(info.get("num_waiting", 0))
+            self.kv_usage.labels(*labels).set(info.get("kv_usage", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ from app.engine.stats import EngineStats, num_prefill_tokens
 from app.engine.validation import check_params, checked_token_ids
 from app.models.loader import LoadedModel
 from app.models.parallel import TPGroup
+from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.outputs import RequestOutput, SlotInfo, TokenDelta
 from app.protocol.sampling import SamplingParams
@@ -88,6 +89,8 @@ class LLMEngine:
         vocab = self.arch.vocab_size
         param = "prompt" if context is None else "token_ids"
         tokens = checked_token_ids(prompt_token_ids, vocab, param)
+        if context is not None and not context.action.generates:
+            raise InvalidRequestError(f"a request cannot {context.action} a context")
         if context is not None and context.action is ContextAction.FILL:
             params = FILL_PARAMS
         check_params(params, vocab)

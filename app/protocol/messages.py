@@ -20,6 +20,12 @@ class ContextAction(StrEnum):
     RESTORE = "restore"  # a context from a file
 
     @property
+    def generates(self) -> bool:
+        """Whether this action runs as a generation (an EngineRequest); the others are
+        plain calls on the replica."""
+        return self in (ContextAction.FILL, ContextAction.GENERATE)
+
+    @property
     def creates(self) -> bool:
         """Whether this action may bring the context into being (and so pins it where it
         is sent); the others only find it where it already is."""

@@ -164,7 +164,12 @@ async def slot_action(
         return {"id_slot": id_slot, "n_erased": n}
     started = time.perf_counter()
     op = slot_op(id_slot, ContextAction.SAVE if action == "save" else ContextAction.RESTORE)
-    done: ContextFile = await ingress.call(name, f"{action}_context", op, body.filename)
+    try:
+        done: ContextFile = await ingress.call(name, f"{action}_context", op, body.filename)
+    except ShoalError as exc:
+        if exc.status_code == 409 and exc.param is None:  # the slot is busy
+            exc.param = "id_slot"
+        raise
     counts = (
         {"n_saved": done.num_tokens, "n_written": done.num_bytes}
         if action == "save"
@@ -220,12 +225,13 @@ async def _complete(
         raise InvalidRequestError("prompt must not be empty", "prompt")
     _check_slot(ingress, name, req.id_slot, allow_any=True)
     params = req.params(ingress.config.max_tokens_default)
+    stop = req.stop_strings  # checked before the slot is touched
     context, new_ids = None, ids
     if req.id_slot >= 0 and req.cache_prompt:
         new_ids = await _slot_context(ingress, name, req.id_slot, ids)
         context = slot_op(req.id_slot, ContextAction.GENERATE)
     started = time.perf_counter()
-    gen = await ingress.generate(name, new_ids, params, req.stop_strings, tag, context, ids)
+    gen = await ingress.generate(name, new_ids, params, stop, tag, context, ids)
     out = gen.outputs[0]
 
     def final() -> dict:

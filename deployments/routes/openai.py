@@ -23,6 +23,7 @@ from deployments.ingress import Ingress, IngressDep, RequestTag, UnknownModelErr
 from deployments.streaming import sse, stream
 
 MAX_PROMPTS = 128  # prompts x n in one /v1/completions request
+PROMPTS_IN_FLIGHT = 8  # of one request's prompts, generating at once
 WIRE = sse(error_body, end="data: [DONE]\n\n")
 
 router = APIRouter()
@@ -48,10 +49,10 @@ async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestT
     params = sampling_params(req, ingress.config.max_tokens_default, req.logprobs)
     if len(prompts) > 1 and req.stream:
         raise InvalidRequestError("streaming supports one prompt per request", "prompt")
-    gens = await _start_all(ingress, req, prompts, params, tag)
     if req.stream:
-        return stream(gens[0], _completion_chunks(ingress, req, gens[0]), WIRE)
-    await asyncio.gather(*(gen.drain() for gen in gens))
+        gen = await ingress.generate(req.model, prompts[0], params, req.stop_strings, tag)
+        return stream(gen, _completion_chunks(ingress, req, gen), WIRE)
+    gens = await _run_all(ingress, req, prompts, params, tag)
     choices = [
         _completion_choice(ingress, req, gen, out, i * req.n + out.index)
         for i, gen in enumerate(gens)
@@ -73,26 +74,40 @@ async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestT
     }
 
 
-async def _start_all(
+async def _run_all(
     ingress: Ingress,
     req: CompletionRequest,
     prompts: list[list[int]],
     params: SamplingParams,
     tag: str,
 ) -> list[Generation]:
-    """Several prompts run together, but are started one after another: Serve gives every
-    handle call made while serving one HTTP request that request's internal id, and its
-    router cannot tell two such calls apart while both wait to be routed. A started one
-    has been routed (and has its first token), so the next may go."""
+    """Several prompts, run together (at most PROMPTS_IN_FLIGHT at once, so that one
+    request cannot take a replica's every seat), each drained from its first token on.
+    They are started one after another: Serve gives every handle call made while serving
+    one HTTP request that request's internal id, and its router cannot tell two such
+    calls apart while both wait to be routed; a started one has been routed. If one
+    fails, the others are cancelled and its error is the answer."""
     gens: list[Generation] = []
+    seats = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
+
+    async def drain(gen: Generation) -> None:
+        try:
+            await gen.drain()
+        finally:
+            seats.release()
+
     try:
-        for i, ids in enumerate(prompts):
-            gens.append(
-                await ingress.generate(req.model, ids, params, req.stop_strings, f"{tag}.{i}")
-            )
-    except BaseException:
-        for gen in gens:
+        async with asyncio.TaskGroup() as group:
+            for i, ids in enumerate(prompts):
+                await seats.acquire()
+                gen = await ingress.generate(req.model, ids, params, req.stop_strings, f"{tag}.{i}")
+                gens.append(gen)
+                group.create_task(drain(gen))
+    except BaseException as failed:
+        for gen in gens:  # a drain cancelled before it first ran cannot cancel its own
             gen.cancel()
+        if isinstance(failed, BaseExceptionGroup):
+            raise failed.exceptions[0] from None
         raise
     return gens
 

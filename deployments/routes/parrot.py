@@ -74,9 +74,15 @@ async def engines(ingress: IngressDep) -> dict:
 
 @router.get("/ping_engine")
 async def ping_engine(ingress: IngressDep) -> dict:
+    """Pong, with the models that have a replica answering now."""
+    answering = []
     for m in ingress.config.models:
-        await ingress.call(m.name, "info")  # a round trip to one of its replicas
-    return {"pong": True, "models": [m.name for m in ingress.config.models]}
+        try:
+            await ingress.call(m.name, "info")  # a round trip to one of its replicas
+            answering.append(m.name)
+        except Exception:  # a replica restarting or full: pong all the same
+            continue
+    return {"pong": True, "models": answering}
 
 
 async def _start_generate(ingress: Ingress, req: ParrotGenerateRequest, tag: str) -> Generation:

@@ -1,5 +1,7 @@
 """OpenAI's routes in-process, with the official openai client."""
 
+import asyncio
+
 import openai
 
 from tests.local_app import MODEL, http_client, run
@@ -53,3 +55,27 @@ def test_completions_prompt_forms(app):
     assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert ids.usage.prompt_tokens == 3
     assert echo.choices[0].text.startswith("The sky is")
+
+
+def test_a_refused_prompt_cancels_the_prompts_started_before_it(app, smollm2_engine):
+    """The first prompt is generating when the second is refused: the answer is the
+    refusal, and nothing is left generating for no one."""
+
+    async def scenario():
+        async with http_client(app) as http:
+            body = {
+                "model": MODEL,
+                "prompt": [[504, 7042, 314], [10**9]],  # the second is outside the vocabulary
+                "max_tokens": 400,
+                "ignore_eos": True,
+            }
+            refused = await http.post("/v1/completions", json=body)
+            for _ in range(100):  # the cancelled request leaves the engine at its next step
+                if len(smollm2_engine.requests) == 0:
+                    break
+                await asyncio.sleep(0.05)
+        return refused, len(smollm2_engine.requests)
+
+    refused, left = run(scenario())
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    assert left == 0
