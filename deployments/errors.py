@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.protocol.errors import ShoalError
+from app.protocol.errors import InvalidRequestError, RemoteError, ShoalError
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,26 +28,16 @@ _TYPES = {
 }
 
 
-def openai_body(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    error_type: str | None = None,
-) -> dict:
-    return {
-        "error": {
-            "message": message,
-            "type": error_type or _TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
-
-
 def error_body(exc: ShoalError) -> dict:
     """OpenAI's error object for a ShoalError (also a stream's error event)."""
-    return openai_body(exc.status_code, exc.message, exc.param, exc.code, exc.error_type)
+    return {
+        "error": {
+            "message": exc.message,
+            "type": exc.error_type or _TYPES.get(exc.status_code, "server_error"),
+            "param": exc.param,
+            "code": exc.code,
+        }
+    }
 
 
 def relative_path(scope: dict) -> str:
@@ -57,7 +47,7 @@ def relative_path(scope: dict) -> str:
 
 
 # (path prefix, body builder) of dialects whose errors are not in OpenAI's shape.
-ErrorShape = Callable[[int, str, str | None, str | None, str | None], dict]
+ErrorShape = Callable[[ShoalError], dict]
 _SHAPES: list[tuple[str, ErrorShape]] = []
 
 
@@ -72,41 +62,27 @@ def error_shape(prefix: str) -> Callable[[ErrorShape], ErrorShape]:
     return register
 
 
-def dialect_body(
-    path: str,
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    error_type: str | None = None,
-) -> dict:
-    """An error in the shape of the dialect that owns `path`."""
-    shape = next((s for prefix, s in _SHAPES if path.startswith(prefix)), openai_body)
-    return shape(status, message, param, code, error_type)
+def dialect_body(path: str, exc: ShoalError) -> dict:
+    """`exc` in the shape of the dialect that owns `path`."""
+    shape = next((s for prefix, s in _SHAPES if path.startswith(prefix)), error_body)
+    return shape(exc)
 
 
-def error_response(
-    request: Request,
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    error_type: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = dialect_body(relative_path(request.scope), status, message, param, code, error_type)
-    return JSONResponse(body, status_code=status, headers=headers)
+def error_response(request: Request, exc: ShoalError) -> JSONResponse:
+    """`exc` in the shape of the dialect that owns the request's path."""
+    body = dialect_body(relative_path(request.scope), exc)
+    headers = None
+    if exc.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Whatever a route raises becomes a ShoalError, answered by `error_response`."""
+
     @app.exception_handler(ShoalError)
     async def _shoal(request: Request, exc: ShoalError) -> JSONResponse:
-        headers = None
-        if exc.retry_after_s is not None:
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        return error_response(
-            request, exc.status_code, exc.message, exc.param, exc.code, exc.error_type, headers
-        )
+        return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -118,13 +94,14 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Unrecognized request argument supplied: {where}"
         else:
             message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
-        return error_response(request, 400, message, param)
+        return error_response(request, InvalidRequestError(message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(request, exc.status_code, str(exc.detail))
+        return error_response(request, RemoteError(exc.status_code, "", str(exc.detail), None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s", request.url.path)
-        return error_response(request, 500, "internal server error", error_type="server_error")
+        failure = RemoteError(500, "server_error", "internal server error", None)
+        return error_response(request, failure)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from app.protocol.errors import RemoteError
 from deployments.config import AppConfig
 from deployments.errors import dialect_body, relative_path
 
@@ -41,8 +42,10 @@ PUBLIC_PATHS = ("/health",)
 DISCONNECT_OPT_OUT = b"x-request-disconnect-disabled"
 
 
-def error_body(path: str, status: int, message: str, code: str | None = None) -> bytes:
-    return json.dumps(dialect_body(path, status, message, code=code)).encode()
+def error_body(path: str, status: int, message: str, code: str) -> bytes:
+    refusal = RemoteError(status, "", message, None)
+    refusal.code = code
+    return json.dumps(dialect_body(path, refusal)).encode()
 
 
 class RequestGuard:

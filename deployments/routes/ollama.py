@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
-from app.protocol.errors import InvalidRequestError, NotFoundError
+from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
 from app.protocol.ollama import (
     OllamaChatRequest,
     OllamaEmbedRequest,
@@ -32,11 +32,11 @@ OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
 
 
 @error_shape("/api/")
-def ollama_error(status: int, message: str, *_: str | None) -> dict:
-    return {"error": message}
+def ollama_error(exc: ShoalError) -> dict:
+    return {"error": exc.message}
 
 
-WIRE = ndjson(lambda exc: ollama_error(exc.status_code, exc.message))
+WIRE = ndjson(ollama_error)
 
 router = APIRouter()
 
