@@ -118,11 +118,46 @@ class EmbeddingsConfig(BaseModel):
     max_batch_inputs: int = Field(256, ge=1, description="Most inputs in one request.")
 
 
+DEFAULT_ASSISTANTS_DB = "~/.shoal/assistants.sqlite3"
+
+
+class AssistantsConfig(BaseModel):
+    """OpenAI's Assistants API: its state lives in one SQL database (deployments/assistants)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    database_url: str | None = Field(
+        None,
+        description="Any SQLAlchemy URL (e.g. postgresql+psycopg://...), which several ingress "
+        "replicas may share; None: the SQLite file at database_path.",
+    )
+    database_path: str = Field(
+        default_factory=lambda: os.environ.get("SHOAL_ASSISTANTS_DB", DEFAULT_ASSISTANTS_DB),
+        description="The SQLite file when database_url is None (default: $SHOAL_ASSISTANTS_DB, "
+        "else ~/.shoal/assistants.sqlite3).",
+    )
+    run_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="A queued or running run whose ingress has not touched it for this long "
+        "(a crash, a restart) is ended as failed when next read.",
+    )
+
+    def url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        path = Path(self.database_path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     models: list[ModelDeploymentConfig] = Field(default_factory=lambda: [ModelDeploymentConfig()])
     embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
+    assistants: AssistantsConfig = Field(default_factory=AssistantsConfig)
     tokenizer_num_cpus: float = Field(0.25, gt=0)
     ingress_num_cpus: float = Field(0.25, gt=0)
     ingress_replicas: int = Field(1, ge=1)

@@ -30,6 +30,9 @@ def create_app(ingress: Ingress) -> FastAPI:
     app.state.ingress = ingress
     for dialect in dialects():
         app.include_router(dialect.router)
+        install = getattr(dialect, "install", None)
+        if install is not None:  # a dialect with state of its own makes it here
+            install(app, ingress)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     install_error_handlers(app)
 
@@ -60,9 +63,10 @@ def create_app(ingress: Ingress) -> FastAPI:
 
 
 def dialects() -> list:
-    """Every module in deployments/routes: each serves one dialect through its `router`
-    (and registers its error shape, if it is not OpenAI's), so a new dialect is one new
-    file there."""
+    """Every module in deployments/routes, in name order: each serves one dialect through
+    its `router` (registers its error shape, if it is not OpenAI's, and makes its own
+    state in `install(app, ingress)`, if it has any), so a new dialect is one new file
+    there."""
     names = sorted(m.name for m in pkgutil.iter_modules(routes.__path__))
     return [importlib.import_module(f"{routes.__name__}.{name}") for name in names]
 

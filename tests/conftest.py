@@ -1,8 +1,16 @@
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import save_tiny_checkpoint
+
+# Apps that name no Assistants database keep theirs in this run's own directory, never in
+# the user's home (AppConfig reads this when it is made).
+os.environ.setdefault(
+    "SHOAL_ASSISTANTS_DB", str(Path(tempfile.mkdtemp(prefix="shoal-tests-")) / "assistants.sqlite3")
+)
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,13 @@ class ContextStore:
         if op.action is ContextAction.FILL and not new_token_ids:
             raise InvalidRequestError("a fill needs at least one token", "token_ids")
         ctx = self.contexts.get(op.context_id)
+        held = 0 if ctx is None else len(ctx.token_ids)
+        if op.expected_tokens is not None and held != op.expected_tokens:
+            raise ContextGoneError(
+                f"context {op.context_id!r} holds {held} tokens, not the "
+                f"{op.expected_tokens} this call appends to",
+                param="context_id",
+            )
         if ctx is None:
             ctx = self._create(request_id, op, new_token_ids)
         elif ctx.busy_with is not None:

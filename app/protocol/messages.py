@@ -35,11 +35,15 @@ class ContextAction(StrEnum):
 @dataclass(frozen=True)
 class ContextOp:
     """What one call does to one context; a child (`parent_context_id`) starts as a fork
-    of its parent, in the parent's replica."""
+    of its parent, in the parent's replica. `expected_tokens`: the context must hold
+    exactly this many tokens (0: must not exist), else the call fails with 410 and
+    changes nothing; a caller that appends to what it last read never appends to
+    something else (a context lost and re-created empty on a restarted replica)."""
 
     context_id: str
     action: ContextAction
     parent_context_id: str | None = None
+    expected_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ def app(smollm2_engine, tmp_path_factory):
     config = AppConfig.model_validate(
         {
             "embeddings": {"enabled": False},
+            "assistants": {"database_path": str(slots / "assistants.sqlite3")},
             "models": [{"name": MODEL, "slot_save_path": str(slots)}],
         }
     )

@@ -1,0 +1,143 @@
+"""OpenAI's Assistants v2 request bodies, as the official SDK sends them
+(`client.beta.assistants`, `client.beta.threads`, `.messages`, `.runs`).
+
+Tools, files, vector stores and structured `response_format`s are not served yet: a body
+that asks for them gets a 400 that says so, never a silent default.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_METADATA_PAIRS = 16
+
+
+class Body(BaseModel):
+    # Unknown fields are refused by name (the SDK's newer fields included), not dropped.
+    model_config = ConfigDict(extra="forbid")
+
+    def set_fields(self, *names: str) -> dict:
+        """The fields the client sent, by the given names (an update touches only those)."""
+        return {n: getattr(self, n) for n in names if n in self.model_fields_set}
+
+
+def check_metadata(value: dict | None) -> dict | None:
+    if value is None:
+        return None
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"metadata holds at most {MAX_METADATA_PAIRS} pairs")
+    for k, v in value.items():
+        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise ValueError("metadata keys are at most 64 characters, values strings of 512")
+    return value
+
+
+class WithMetadata(Body):
+    metadata: dict[str, Any] | None = None
+
+    _metadata = field_validator("metadata")(check_metadata)
+
+
+def check_unserved(tools: list | None, response_format: Any) -> None:
+    if tools:
+        raise ValueError("tools are not served yet; send no tools")
+    if response_format not in (None, "auto") and response_format != {"type": "text"}:
+        raise ValueError("response_format other than 'auto' or text is not served yet")
+
+
+class Sampling(WithMetadata):
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    response_format: Any = None
+    tools: list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _served(self) -> "Sampling":
+        check_unserved(self.tools, self.response_format)
+        return self
+
+
+class AssistantCreate(Sampling):
+    model: str
+    name: str | None = Field(None, max_length=256)
+    description: str | None = Field(None, max_length=512)
+    instructions: str | None = Field(None, max_length=256_000)
+    tool_resources: dict | None = None
+    reasoning_effort: str | None = None
+
+
+class AssistantUpdate(Sampling):
+    model: str | None = None
+    name: str | None = Field(None, max_length=256)
+    description: str | None = Field(None, max_length=512)
+    instructions: str | None = Field(None, max_length=256_000)
+    tool_resources: dict | None = None
+    reasoning_effort: str | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class MessageCreate(WithMetadata):
+    role: Literal["user", "assistant"]
+    content: str | list[TextPart]
+    attachments: list | None = None
+
+    @field_validator("attachments")
+    @classmethod
+    def _no_attachments(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("attachments (files) are not served yet")
+        return value
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def fields(self) -> dict:
+        return {"role": self.role, "text": self.text, "meta": self.metadata or {}}
+
+
+class MessageUpdate(WithMetadata):
+    pass
+
+
+class ThreadCreate(WithMetadata):
+    messages: list[MessageCreate] = Field(default_factory=list, max_length=32)
+    tool_resources: dict | None = None
+
+
+class ThreadUpdate(WithMetadata):
+    tool_resources: dict | None = None
+
+
+class RunCreate(Sampling):
+    assistant_id: str
+    model: str | None = None
+    instructions: str | None = None
+    additional_instructions: str | None = None
+    additional_messages: list[MessageCreate] | None = Field(None, max_length=32)
+    max_prompt_tokens: int | None = Field(None, ge=256)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    truncation_strategy: dict | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
+    reasoning_effort: str | None = None
+
+    @field_validator("truncation_strategy")
+    @classmethod
+    def _auto_only(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type", "auto") != "auto":
+            raise ValueError("only the 'auto' truncation strategy is served")
+        return value
+
+
+class ThreadAndRunCreate(RunCreate):
+    thread: ThreadCreate | None = None
+    tool_resources: dict | None = None

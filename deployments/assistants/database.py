@@ -1,0 +1,131 @@
+"""The Assistants database: one SQLAlchemy engine, its migrations, and the one way to run
+a unit of work (`Database.work`: a session and a transaction, in a worker thread so that
+the ingress's event loop never waits on I/O). Only the store (store.py) calls it.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, event, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.orm import Session
+
+from app.protocol.errors import InvalidRequestError, NotFoundError
+from deployments.assistants.schema import Base
+
+logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
+MIGRATIONS = Path(__file__).parent / "migrations"
+PAGE_LIMIT = (1, 100)
+
+
+def open_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn: Any, _record: Any) -> None:
+            # WAL: readers never wait for the writer; several processes may share the file.
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrate(engine: Engine) -> None:
+    """`alembic upgrade head` on this engine. Ingress replicas starting together may race
+    to create the first schema: the loser finds it made and tries again."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    for attempt in range(5):
+        try:
+            with engine.begin() as conn:
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
+            return
+        except (OperationalError, ProgrammingError) as exc:
+            if attempt == 4:
+                raise
+            logger.warning("assistants database: migration raced (%s); again", exc.orig)
+            time.sleep(0.2 * (attempt + 1))
+
+
+class Database:
+    def __init__(self, url: str) -> None:
+        self.engine = open_engine(url)
+        migrate(self.engine)
+
+    async def work(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(session, *args)` in one transaction, committed when it returns."""
+        return await asyncio.to_thread(self._work, fn, *args)
+
+    def _work(self, fn: Callable[..., T], *args: Any) -> T:
+        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            return fn(session, *args)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def find(session: Session, model: type[T], object_id: str, **where: Any) -> T:
+    """The row with this public id (and these column values); 404 in OpenAI's words."""
+    row = session.scalar(select(model).filter_by(id=object_id, **where))
+    if row is None:
+        name = model.__tablename__.rstrip("s").replace("_", " ")  # type: ignore[attr-defined]
+        raise NotFoundError(f"No {name} found with id '{object_id}'.", param=None)
+    return row
+
+
+def page(
+    session: Session,
+    model: type,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    before: str | None = None,
+    **where: Any,
+) -> dict:
+    """OpenAI's cursor pagination over rows ordered by `seq`: `after` and `before` name
+    the row the page starts after or ends before (in the list's order)."""
+    if not PAGE_LIMIT[0] <= limit <= PAGE_LIMIT[1]:
+        raise InvalidRequestError("limit must be between 1 and 100", param="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
+    ascending = order == "asc"
+    stmt = select(model).filter_by(**where)
+    for cursor, later in ((after, ascending), (before, not ascending)):
+        if cursor is not None:
+            seq = session.scalar(select(model.seq).filter_by(id=cursor, **where))
+            if seq is None:
+                raise InvalidRequestError(f"no such cursor '{cursor}'", param="cursor")
+            stmt = stmt.where(model.seq > seq if later else model.seq < seq)
+    # A `before` page is the `limit` rows just before the cursor: read backwards.
+    backwards = before is not None and after is None
+    forward = ascending != backwards
+    stmt = stmt.order_by(model.seq.asc() if forward else model.seq.desc()).limit(limit + 1)
+    rows = list(session.scalars(stmt))
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    if backwards:
+        rows.reverse()
+    data = [r.as_api() for r in rows]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+__all__ = ["Base", "Database", "find", "page"]

@@ -1,0 +1,233 @@
+"""The Assistants API's tables (SQLAlchemy 2 declarative models), each row able to say
+itself as the API's object (`as_api`).
+
+Rows are found by their public id (`asst_...`, `thread_...`); `seq`, an increasing
+integer, orders them for the cursor pagination (`after`, `before`), since `created_at`
+has a resolution of one second. Children name their thread by its public id and are
+deleted with it by the store (no foreign keys: SQLite ignores them by default, and the
+store deletes in one transaction anyway). The migrations in `migrations/` create exactly
+these tables; a change here is a new migration there.
+"""
+
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import JSON, Float, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+RUN_ACTIVE = ("queued", "in_progress", "cancelling")
+RUN_TERMINAL = ("completed", "cancelled", "failed", "expired", "incomplete")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Assistant(Base):
+    __tablename__ = "assistants"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    name: Mapped[str | None] = mapped_column(String(256))
+    description: Mapped[str | None] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(256))
+    instructions: Mapped[str | None] = mapped_column(Text)
+    meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    temperature: Mapped[float | None] = mapped_column(Float)
+    top_p: Mapped[float | None] = mapped_column(Float)
+    response_format: Mapped[Any] = mapped_column(JSON, default="auto")
+
+    def as_api(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "assistant",
+            "created_at": self.created_at,
+            "name": self.name,
+            "description": self.description,
+            "model": self.model,
+            "instructions": self.instructions,
+            "tools": [],
+            "tool_resources": {},
+            "metadata": self.meta or {},
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "response_format": self.response_format,
+        }
+
+
+class Thread(Base):
+    __tablename__ = "threads"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+
+    def as_api(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "thread",
+            "created_at": self.created_at,
+            "metadata": self.meta or {},
+            "tool_resources": {},
+        }
+
+
+class Message(Base):
+    __tablename__ = "messages"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    thread_id: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    role: Mapped[str] = mapped_column(String(16))
+    text: Mapped[str] = mapped_column(Text, default="")
+    status: Mapped[str] = mapped_column(String(16), default="completed")
+    assistant_id: Mapped[str | None] = mapped_column(String(64))
+    run_id: Mapped[str | None] = mapped_column(String(64))
+    completed_at: Mapped[int | None] = mapped_column(Integer)
+    incomplete_at: Mapped[int | None] = mapped_column(Integer)
+    incomplete_details: Mapped[dict | None] = mapped_column(JSON)
+    meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+
+    def as_api(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "thread.message",
+            "created_at": self.created_at,
+            "thread_id": self.thread_id,
+            "status": self.status,
+            "incomplete_details": self.incomplete_details,
+            "completed_at": self.completed_at,
+            "incomplete_at": self.incomplete_at,
+            "role": self.role,
+            "content": [{"type": "text", "text": {"value": self.text, "annotations": []}}],
+            "assistant_id": self.assistant_id,
+            "run_id": self.run_id,
+            "attachments": [],
+            "metadata": self.meta or {},
+        }
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    thread_id: Mapped[str] = mapped_column(String(64), index=True)
+    assistant_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    instructions: Mapped[str | None] = mapped_column(Text)
+    temperature: Mapped[float | None] = mapped_column(Float)
+    top_p: Mapped[float | None] = mapped_column(Float)
+    max_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    response_format: Mapped[Any] = mapped_column(JSON, default="auto")
+    meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    started_at: Mapped[int | None] = mapped_column(Integer)
+    completed_at: Mapped[int | None] = mapped_column(Integer)
+    cancelled_at: Mapped[int | None] = mapped_column(Integer)
+    failed_at: Mapped[int | None] = mapped_column(Integer)
+    expires_at: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[dict | None] = mapped_column(JSON)
+    incomplete_details: Mapped[dict | None] = mapped_column(JSON)
+    usage: Mapped[dict | None] = mapped_column(JSON)
+    # When an ingress last showed it was working on this run (its lease); see the store.
+    leased_at: Mapped[float] = mapped_column(Float, default=time.time)
+
+    def as_api(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "thread.run",
+            "created_at": self.created_at,
+            "thread_id": self.thread_id,
+            "assistant_id": self.assistant_id,
+            "status": self.status,
+            "required_action": None,
+            "last_error": self.last_error,
+            "expires_at": self.expires_at if self.status in RUN_ACTIVE else None,
+            "started_at": self.started_at,
+            "cancelled_at": self.cancelled_at,
+            "failed_at": self.failed_at,
+            "completed_at": self.completed_at,
+            "incomplete_details": self.incomplete_details,
+            "model": self.model,
+            "instructions": self.instructions or "",
+            "tools": [],
+            "metadata": self.meta or {},
+            "usage": self.usage,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_completion_tokens": self.max_completion_tokens,
+            "truncation_strategy": {"type": "auto", "last_messages": None},
+            "response_format": self.response_format,
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+        }
+
+
+class RunStep(Base):
+    __tablename__ = "run_steps"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    run_id: Mapped[str] = mapped_column(String(64), index=True)
+    thread_id: Mapped[str] = mapped_column(String(64), index=True)
+    assistant_id: Mapped[str] = mapped_column(String(64))
+    message_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    status: Mapped[str] = mapped_column(String(16), default="in_progress")
+    completed_at: Mapped[int | None] = mapped_column(Integer)
+    cancelled_at: Mapped[int | None] = mapped_column(Integer)
+    failed_at: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[dict | None] = mapped_column(JSON)
+    usage: Mapped[dict | None] = mapped_column(JSON)
+
+    def as_api(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "thread.run.step",
+            "created_at": self.created_at,
+            "run_id": self.run_id,
+            "assistant_id": self.assistant_id,
+            "thread_id": self.thread_id,
+            "type": "message_creation",
+            "status": self.status,
+            "cancelled_at": self.cancelled_at,
+            "completed_at": self.completed_at,
+            "expired_at": None,
+            "failed_at": self.failed_at,
+            "last_error": self.last_error,
+            "step_details": {
+                "type": "message_creation",
+                "message_creation": {"message_id": self.message_id},
+            },
+            "usage": self.usage,
+            "metadata": None,
+        }
+
+
+class IdempotencyKey(Base):
+    """A POST's Idempotency-Key and the object it created: a retry gets that object."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (UniqueConstraint("scope", "key"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    scope: Mapped[str] = mapped_column(String(128))  # the route and its parent's id
+    key: Mapped[str] = mapped_column(String(256))
+    object_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(Integer, default=now)

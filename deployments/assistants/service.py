@@ -1,0 +1,40 @@
+"""What the Assistants routes share: the store and the run executor of this ingress,
+made at start-up (the schema migrated then) and found on the app's state."""
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+
+from app.protocol.errors import NotFoundError
+from deployments.assistants.runs import RunExecutor
+from deployments.assistants.store import AssistantsStore
+from deployments.ingress import Ingress
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Assistants:
+    store: AssistantsStore
+    runs: RunExecutor
+
+
+def install(app: FastAPI, ingress: Ingress) -> None:
+    config = ingress.config.assistants
+    if not config.enabled:
+        return
+    store = AssistantsStore(config.url(), config.run_lease_s)
+    app.state.assistants = Assistants(store, RunExecutor(ingress, store))
+    logger.info("assistants database ready (%s)", store.db.engine.url.render_as_string())
+
+
+def assistants_of(request: Request) -> Assistants:
+    assistants = getattr(request.app.state, "assistants", None)
+    if assistants is None:
+        raise NotFoundError("the Assistants API is turned off on this server")
+    return assistants
+
+
+AssistantsDep = Annotated[Assistants, Depends(assistants_of)]

@@ -1,0 +1,94 @@
+"""A thread kept warm: each Assistants thread is a persistent context on a model replica
+(app/engine/contexts.py), which the affinity router keeps on the replica that holds it.
+
+A run renders the whole conversation with the model's chat template and compares it with
+the tokens the context holds (the last run's prompt and its reply). When they are a
+prefix, the run appends only the new tokens (the new messages and the generation prompt)
+and generates: no re-prefill of the history. Otherwise the context is rebuilt from the
+stored messages, and the log says why: the replica restarted or was scaled down, the
+context was dropped for the replica's limits, or the prompt changed (other instructions,
+another model, an edited or deleted message). The append names the length it appends to
+(`ContextOp.expected_tokens`), so a context lost between the read and the append is
+never extended from the middle: that append fails, and the run rebuilds.
+"""
+
+import logging
+
+from app.protocol.errors import NotFoundError, ShoalError
+from app.protocol.messages import ContextAction, ContextOp
+from app.protocol.sampling import SamplingParams
+from deployments.generation import Generation
+from deployments.ingress import Ingress
+
+logger = logging.getLogger("ray.serve")
+
+
+def context_id(thread_id: str) -> str:
+    return f"assistants/{thread_id}"
+
+
+async def generate_in_thread(
+    ingress: Ingress,
+    model: str,
+    thread_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    tag: str,
+) -> tuple[Generation, int]:
+    """Start the run's generation in the thread's context; also returns how many of the
+    prompt's tokens the context already held (0: rebuilt)."""
+    cid = context_id(thread_id)
+    held = await held_tokens(ingress, model, cid)
+    reused = len(held) if held is not None and _extends(prompt_ids, held) else 0
+    if reused:
+        op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=reused)
+        try:
+            gen = await ingress.generate(
+                model, prompt_ids[reused:], params, [], tag, op, detok_prefix=prompt_ids
+            )
+            return gen, reused
+        except NotFoundError as exc:  # lost or changed since the read (410): rebuild
+            held, why = None, str(exc)
+    else:
+        why = _why_rebuilt(held)
+    logger.info(
+        "thread %s: rebuilding its context (%d tokens): %s", thread_id, len(prompt_ids), why
+    )
+    if held is not None:
+        await free(ingress, model, thread_id)
+    op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=0)
+    gen = await ingress.generate(model, prompt_ids, params, [], tag, op, detok_prefix=prompt_ids)
+    return gen, 0
+
+
+async def held_tokens(ingress: Ingress, model: str, cid: str) -> list[int] | None:
+    """The context's tokens; None when no replica holds it (never made, dropped, or its
+    replica gone)."""
+    try:
+        return await ingress.call(model, "context_tokens", ContextOp(cid, ContextAction.READ))
+    except NotFoundError:  # 404, and 410 for a dropped one
+        return None
+
+
+async def free(ingress: Ingress, model: str, thread_id: str) -> None:
+    """Drop the thread's context, where there is one (a deleted thread, a rebuild)."""
+    try:
+        await ingress.call(
+            model, "free_context", ContextOp(context_id(thread_id), ContextAction.FREE)
+        )
+    except ShoalError as exc:
+        if exc.status_code not in (404, 410):
+            raise
+
+
+def _extends(prompt_ids: list[int], held: list[int]) -> bool:
+    # At least one new token: the context must compute something to give logits.
+    return 0 < len(held) < len(prompt_ids) and prompt_ids[: len(held)] == held
+
+
+def _why_rebuilt(held: list[int] | None) -> str:
+    if held is None:
+        return "no replica holds it (first run, replica restarted or scaled down, or dropped)"
+    if not held:
+        return "it is empty"
+    return "the conversation no longer starts with what it holds (other instructions or model, or edited messages)"

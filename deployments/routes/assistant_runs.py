@@ -1,0 +1,146 @@
+"""OpenAI's Assistants v2 runs: create (streamed or not), create-and-run, retrieve, list,
+update, cancel, and run steps. A run is carried out by this ingress's RunExecutor; a
+streamed one answers its events as server-sent events (`event: thread.run.created`
+... `event: done`), as the SDK's AssistantEventHandler reads them.
+
+This module's name sorts before assistants.py, so `POST /v1/threads/runs` is matched
+here before `POST /v1/threads/{thread_id}` there.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+
+from app.protocol.assistants import RunCreate, ThreadAndRunCreate, WithMetadata
+from deployments.assistants.runs import END
+from deployments.assistants.service import Assistants, AssistantsDep
+from deployments.ingress import IngressDep, RequestTag
+from deployments.routes.assistants import CursorDep, IdempotencyKey
+from deployments.streaming import SSE_HEADERS
+
+router = APIRouter(prefix="/v1")
+POLL_AFTER_MS = "250"  # the SDK's create_and_poll waits this long between reads
+
+
+@router.post("/threads/runs")
+async def create_thread_and_run(
+    req: ThreadAndRunCreate, a: AssistantsDep, ingress: IngressDep, tag: RequestTag
+):  # noqa: ANN201
+    thread = req.thread
+    messages = [m.fields() for m in thread.messages] if thread else []
+    created = await a.store.create_thread((thread.metadata if thread else None) or {}, messages)
+    return await _create_run(created["id"], req, a, ingress, tag, None, created)
+
+
+@router.post("/threads/{thread_id}/runs")
+async def create_run(
+    thread_id: str,
+    req: RunCreate,
+    a: AssistantsDep,
+    ingress: IngressDep,
+    tag: RequestTag,
+    key: IdempotencyKey = None,
+):  # noqa: ANN201
+    return await _create_run(thread_id, req, a, ingress, tag, key)
+
+
+@router.get("/threads/{thread_id}/runs")
+async def list_runs(thread_id: str, a: AssistantsDep, cursor: CursorDep) -> dict:
+    return await a.store.list_runs(thread_id, **cursor.args)
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}")
+async def get_run(thread_id: str, run_id: str, a: AssistantsDep, response: Response) -> dict:
+    response.headers["openai-poll-after-ms"] = POLL_AFTER_MS
+    return await a.store.get_run(thread_id, run_id)
+
+
+@router.post("/threads/{thread_id}/runs/{run_id}")
+async def update_run(thread_id: str, run_id: str, req: WithMetadata, a: AssistantsDep) -> dict:
+    await a.store.get_run(thread_id, run_id)  # 404 for a run of another thread
+    if "metadata" not in req.model_fields_set:
+        return await a.store.get_run(thread_id, run_id)
+    return await a.store.set_run(run_id, meta=req.metadata or {})
+
+
+@router.post("/threads/{thread_id}/runs/{run_id}/cancel")
+async def cancel_run(thread_id: str, run_id: str, a: AssistantsDep) -> dict:
+    run = await a.store.request_cancel(thread_id, run_id)
+    a.runs.cancel(run_id)  # here at once; another ingress's run at its next lease tick
+    return run
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/steps")
+async def list_steps(thread_id: str, run_id: str, a: AssistantsDep, cursor: CursorDep) -> dict:
+    return await a.store.list_steps(thread_id, run_id, **cursor.args)
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/steps/{step_id}")
+async def get_step(thread_id: str, run_id: str, step_id: str, a: AssistantsDep) -> dict:
+    return await a.store.get_step(thread_id, run_id, step_id)
+
+
+async def _create_run(
+    thread_id: str,
+    req: RunCreate,
+    a: Assistants,
+    ingress: IngressDep,
+    tag: str,
+    key: str | None,
+    new_thread: dict | None = None,
+):  # noqa: ANN202
+    assistant = await a.store.get_assistant(req.assistant_id)
+    model = req.model or assistant["model"]
+    ingress.model(model)
+    instructions = req.instructions if req.instructions is not None else assistant["instructions"]
+    if req.additional_instructions:
+        instructions = "\n\n".join(filter(None, [instructions, req.additional_instructions]))
+    fields = {
+        "assistant_id": assistant["id"],
+        "model": model,
+        "instructions": instructions,
+        "temperature": _first(req.temperature, assistant["temperature"]),
+        "top_p": _first(req.top_p, assistant["top_p"]),
+        "max_prompt_tokens": req.max_prompt_tokens,
+        "max_completion_tokens": req.max_completion_tokens,
+        "response_format": req.response_format or assistant["response_format"],
+        "meta": req.metadata or {},
+    }
+    for i, m in enumerate(req.additional_messages or ()):
+        message_key = None if key is None else f"{key}/message/{i}"
+        await a.store.create_message(thread_id, m.fields(), message_key)
+    run, is_new = await a.store.create_run(thread_id, fields, key)
+    events: asyncio.Queue | None = asyncio.Queue() if req.stream and is_new else None
+    if is_new:
+        a.runs.start(run, tag, events)
+    if not req.stream:
+        return run
+    return StreamingResponse(
+        _events(run, events, new_thread), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _events(
+    run: dict, events: asyncio.Queue | None, new_thread: dict | None
+) -> AsyncIterator[str]:
+    """The run's events as the SDK reads them; a retried stream (its run made already)
+    gets the run as it is now, and ends."""
+    if new_thread is not None:
+        yield _frame("thread.created", new_thread)
+    yield _frame("thread.run.created", run)
+    if events is not None:
+        yield _frame("thread.run.queued", run)
+        while (item := await events.get()) is not END:
+            yield _frame(*item)
+    yield "event: done\ndata: [DONE]\n\n"
+
+
+def _frame(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)

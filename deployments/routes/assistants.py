@@ -1,0 +1,144 @@
+"""OpenAI's Assistants v2: assistants, threads and their messages (runs are in
+assistant_runs.py). State lives in the Assistants database (deployments/assistants);
+these routes validate, call the store, and answer its objects."""
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query
+
+from app.protocol.assistants import (
+    AssistantCreate,
+    AssistantUpdate,
+    MessageCreate,
+    MessageUpdate,
+    ThreadCreate,
+    ThreadUpdate,
+)
+from deployments.assistants import service
+from deployments.assistants.service import AssistantsDep
+from deployments.assistants.thread_context import free
+from deployments.ingress import Ingress, IngressDep
+
+router = APIRouter(prefix="/v1")
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
+
+
+def install(app: FastAPI, ingress: Ingress) -> None:
+    service.install(app, ingress)
+
+
+class Cursor:
+    """A list's `limit`, `order`, `after` and `before` (query parameters)."""
+
+    def __init__(
+        self,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> None:
+        self.args = {"limit": limit, "order": order, "after": after, "before": before}
+
+
+CursorDep = Annotated[Cursor, Depends()]
+
+ASSISTANT_FIELDS = ("model", "name", "description", "instructions", "temperature", "top_p")
+
+
+def _assistant_fields(req: AssistantCreate | AssistantUpdate) -> dict:
+    fields = req.set_fields(*ASSISTANT_FIELDS)
+    if "metadata" in req.model_fields_set:
+        fields["meta"] = req.metadata or {}
+    if "response_format" in req.model_fields_set:
+        fields["response_format"] = req.response_format or "auto"
+    return fields
+
+
+# ---- assistants --------------------------------------------------------------------------
+@router.post("/assistants")
+async def create_assistant(req: AssistantCreate, a: AssistantsDep, ingress: IngressDep) -> dict:
+    ingress.model(req.model)
+    return await a.store.create_assistant(_assistant_fields(req))
+
+
+@router.get("/assistants")
+async def list_assistants(a: AssistantsDep, cursor: CursorDep) -> dict:
+    return await a.store.list_assistants(**cursor.args)
+
+
+@router.get("/assistants/{assistant_id}")
+async def get_assistant(assistant_id: str, a: AssistantsDep) -> dict:
+    return await a.store.get_assistant(assistant_id)
+
+
+@router.post("/assistants/{assistant_id}")
+async def update_assistant(
+    assistant_id: str, req: AssistantUpdate, a: AssistantsDep, ingress: IngressDep
+) -> dict:
+    if req.model is not None:
+        ingress.model(req.model)
+    return await a.store.update_assistant(assistant_id, _assistant_fields(req))
+
+
+@router.delete("/assistants/{assistant_id}")
+async def delete_assistant(assistant_id: str, a: AssistantsDep) -> dict:
+    return await a.store.delete_assistant(assistant_id)
+
+
+# ---- threads -----------------------------------------------------------------------------
+@router.post("/threads")
+async def create_thread(req: ThreadCreate, a: AssistantsDep) -> dict:
+    return await a.store.create_thread(req.metadata or {}, [m.fields() for m in req.messages])
+
+
+@router.get("/threads/{thread_id}")
+async def get_thread(thread_id: str, a: AssistantsDep) -> dict:
+    return await a.store.get_thread(thread_id)
+
+
+@router.post("/threads/{thread_id}")
+async def update_thread(thread_id: str, req: ThreadUpdate, a: AssistantsDep) -> dict:
+    fields = {"meta": req.metadata or {}} if "metadata" in req.model_fields_set else {}
+    return await a.store.update_thread(thread_id, fields)
+
+
+@router.delete("/threads/{thread_id}")
+async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep) -> dict:
+    deleted = await a.store.delete_thread(thread_id)
+    for model in ingress.config.models:  # its context, wherever a run left one
+        await free(ingress, model.name, thread_id)
+    return deleted
+
+
+# ---- messages ----------------------------------------------------------------------------
+@router.post("/threads/{thread_id}/messages")
+async def create_message(
+    thread_id: str, req: MessageCreate, a: AssistantsDep, key: IdempotencyKey = None
+) -> dict:
+    message, _ = await a.store.create_message(thread_id, req.fields(), key)
+    return message
+
+
+@router.get("/threads/{thread_id}/messages")
+async def list_messages(
+    thread_id: str, a: AssistantsDep, cursor: CursorDep, run_id: str | None = None
+) -> dict:
+    return await a.store.list_messages(thread_id, run_id, **cursor.args)
+
+
+@router.get("/threads/{thread_id}/messages/{message_id}")
+async def get_message(thread_id: str, message_id: str, a: AssistantsDep) -> dict:
+    return await a.store.get_message(thread_id, message_id)
+
+
+@router.post("/threads/{thread_id}/messages/{message_id}")
+async def update_message(
+    thread_id: str, message_id: str, req: MessageUpdate, a: AssistantsDep
+) -> dict:
+    fields = {"meta": req.metadata or {}} if "metadata" in req.model_fields_set else {}
+    return await a.store.update_message(thread_id, message_id, fields)
+
+
+@router.delete("/threads/{thread_id}/messages/{message_id}")
+async def delete_message(thread_id: str, message_id: str, a: AssistantsDep) -> dict:
+    return await a.store.delete_message(thread_id, message_id)
