@@ -14,7 +14,7 @@ never extended from the middle: that append fails, and the run rebuilds.
 
 import logging
 
-from app.protocol.errors import NotFoundError, ShoalError
+from app.protocol.errors import ShoalError
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.sampling import SamplingParams
 from deployments.generation import Generation
@@ -47,8 +47,10 @@ async def generate_in_thread(
                 model, prompt_ids[reused:], params, [], tag, op, detok_prefix=prompt_ids
             )
             return gen, reused
-        except NotFoundError as exc:  # lost or changed since the read (410): rebuild
-            held, why = None, str(exc)
+        except ShoalError as exc:  # lost or changed since the read (410): rebuild
+            if not _gone(exc):
+                raise
+            held, why = None, exc.message
     else:
         why = _why_rebuilt(held)
     logger.info(
@@ -66,8 +68,10 @@ async def held_tokens(ingress: Ingress, model: str, cid: str) -> list[int] | Non
     replica gone)."""
     try:
         return await ingress.call(model, "context_tokens", ContextOp(cid, ContextAction.READ))
-    except NotFoundError:  # 404, and 410 for a dropped one
-        return None
+    except ShoalError as exc:
+        if _gone(exc):
+            return None
+        raise
 
 
 async def free(ingress: Ingress, model: str, thread_id: str) -> None:
@@ -77,8 +81,13 @@ async def free(ingress: Ingress, model: str, thread_id: str) -> None:
             model, "free_context", ContextOp(context_id(thread_id), ContextAction.FREE)
         )
     except ShoalError as exc:
-        if exc.status_code not in (404, 410):
+        if not _gone(exc):
             raise
+
+
+def _gone(exc: ShoalError) -> bool:
+    # By status, not class: a replica's error arrives as a ShoalError of its status.
+    return exc.status_code in (404, 410)
 
 
 def _extends(prompt_ids: list[int], held: list[int]) -> bool:
