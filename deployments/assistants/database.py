@@ -12,23 +12,26 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import create_engine, delete, event, select, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
-from deployments.assistants.schema import Base
+from deployments.assistants.schema import IdempotencyKey, now
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
 MIGRATIONS = Path(__file__).parent / "migrations"
 PAGE_LIMIT = (1, 100)
+MIGRATION_LOCK = 0x5E0A1  # pg_advisory_xact_lock's key for our migrations
+KEYS_KEPT_S = 24 * 3600  # how long an Idempotency-Key is remembered
 
 
 def open_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # A writer waits at most 5 s for the file's lock: well inside a run's lease.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 5})
 
         @event.listens_for(engine, "connect")
         def _pragmas(conn: Any, _record: Any) -> None:
@@ -43,17 +46,20 @@ def open_engine(url: str) -> Engine:
 
 
 def migrate(engine: Engine) -> None:
-    """`alembic upgrade head` on this engine. Ingress replicas starting together may race
-    to create the first schema: the loser finds it made and tries again."""
+    """`alembic upgrade head` on this engine. Ingress replicas start together: on
+    PostgreSQL they take turns under an advisory lock; on SQLite (or anywhere the lock is
+    missing) the loser of a race finds the schema made and tries again."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     for attempt in range(5):
         try:
             with engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
                 config.attributes["connection"] = conn
                 command.upgrade(config, "head")
             return
-        except (OperationalError, ProgrammingError) as exc:
+        except (OperationalError, ProgrammingError, IntegrityError) as exc:
             if attempt == 4:
                 raise
             logger.warning("assistants database: migration raced (%s); again", exc.orig)
@@ -128,4 +134,26 @@ def page(
     }
 
 
-__all__ = ["Base", "Database", "find", "page"]
+async def once(
+    db: Database, key: str | None, scope: str, model: type, create: Callable
+) -> tuple[dict, bool]:
+    """`create(session)` once per (scope, Idempotency-Key): a retry gets the first object
+    as it is now, also when the two race (the unique key decides); and whether it was
+    made now. Keys are forgotten after a day."""
+    if key is None:
+        return await db.work(create), True
+
+    def work(s: Session) -> tuple[dict, bool]:
+        seen = s.scalar(select(IdempotencyKey).filter_by(scope=scope, key=key))
+        if seen is not None:
+            return find(s, model, seen.object_id).as_api(), False
+        made = create(s)
+        s.add(IdempotencyKey(scope=scope, key=key, object_id=made["id"]))
+        s.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < now() - KEYS_KEPT_S))
+        s.flush()
+        return made, True
+
+    try:
+        return await db.work(work)
+    except IntegrityError:  # the same key, committed by a concurrent request
+        return await db.work(work)

@@ -1,12 +1,13 @@
 """RunExecutor: carries out the Assistants API's runs in this ingress, one task each.
 
 A run goes queued -> in_progress -> completed | incomplete (its token budget ran out) |
-cancelled | failed, written to the store at each step together with its run step and the
-assistant's message. Streamed or not, a run executes the same way: in its own task, its
-events handed to a queue that a streaming response may read (a client that leaves
-does not stop the run, as with OpenAI). While it runs its task renews the run's lease,
-and a cancel asked through any ingress (the run's status becomes `cancelling`) cancels
-it here within a lease tick.
+cancelled | failed | expired. Streamed or not, a run executes the same way: in its own
+task, its events handed to a queue that a streaming response may read (a client that
+leaves does not stop the run, as with OpenAI). While it runs, a watchdog renews its lease
+every tick and stops it when a cancel was asked through any ingress (the run's status
+is then `cancelling`), when it passes its `expires_at`, or when someone else ended it.
+Its end (run, message and step) is written in one transaction that changes nothing if
+the run had already ended, so no two endings overwrite each other.
 """
 
 import asyncio
@@ -16,88 +17,98 @@ from typing import Any
 
 from app.protocol.errors import ShoalError
 from app.protocol.sampling import SamplingParams
-from deployments.assistants.schema import now
+from deployments.assistants.schema import RUN_ACTIVE, now
 from deployments.assistants.store import AssistantsStore
 from deployments.assistants.thread_context import generate_in_thread
 from deployments.ingress import Ingress
 
 logger = logging.getLogger("ray.serve")
 END = None  # on a run's event queue: no more events
-
-
-def event(name: str, data: dict) -> tuple[str, dict]:
-    return name, data
+STOPPED = {"code": "server_error", "message": "the server was stopped; create a new run"}
 
 
 class RunExecutor:
     def __init__(self, ingress: Ingress, store: AssistantsStore) -> None:
         self.ingress = ingress
+        self.runs = store.runs
         self.store = store
         self.tasks: dict[str, asyncio.Task] = {}
-        self.tick_s = min(1.0, store.lease_s / 3)
+        self._why: dict[str, str] = {}  # run id -> why its task was cancelled
+        self.tick_s = min(1.0, store.runs.lease_s / 3)
 
     def start(self, run: dict, tag: str, events: asyncio.Queue | None = None) -> None:
-        """Execute `run` (queued) in a task of its own; its events go to `events`."""
-        task = asyncio.get_running_loop().create_task(self._execute(run, tag, events))
+        """Carry out `run` (queued) in a task of its own; its events go to `events`,
+        which gets END however the task ends (even cancelled before it began)."""
+        emit = (lambda *_: None) if events is None else (lambda *e: events.put_nowait(e))
+        task = asyncio.get_running_loop().create_task(self._execute(run, tag, emit))
         self.tasks[run["id"]] = task
-        task.add_done_callback(lambda _: self.tasks.pop(run["id"], None))
 
-    def cancel(self, run_id: str) -> None:
-        """Cancel the run here, if this ingress executes it (else its lease tick does)."""
-        task = self.tasks.get(run_id)
-        if task is not None:
-            task.cancel()
-
-    async def shutdown(self) -> None:
-        for task in list(self.tasks.values()):
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-
-    async def _execute(self, run: dict, tag: str, events: asyncio.Queue | None) -> None:
-        def emit(name: str, data: dict) -> None:
-            if events is not None:
-                events.put_nowait((name, data))
-
-        state: dict[str, Any] = {"text": "", "message": None, "step": None}
-        watchdog = asyncio.get_running_loop().create_task(self._watch(run["id"]))
-        try:
-            await self._generate(run, tag, emit, state)
-        except asyncio.CancelledError:
-            await self._end(run, emit, state, "cancelled", cancelled_at=now())
-        except ShoalError as exc:
-            code = "rate_limit_exceeded" if exc.status_code == 429 else "server_error"
-            if exc.status_code == 400:
-                code = "invalid_prompt"
-            error = {"code": code, "message": exc.message}
-            logger.warning("run %s failed: %s", run["id"], exc.message)
-            await self._end(run, emit, state, "failed", failed_at=now(), last_error=error)
-        except Exception as exc:  # never a run stuck in progress
-            logger.exception("run %s failed", run["id"])
-            error = {"code": "server_error", "message": f"internal error: {type(exc).__name__}"}
-            await self._end(run, emit, state, "failed", failed_at=now(), last_error=error)
-        finally:
-            watchdog.cancel()
+        def done(_: asyncio.Task) -> None:
+            self.tasks.pop(run["id"], None)
+            self._why.pop(run["id"], None)
             if events is not None:
                 events.put_nowait(END)
 
-    async def _generate(self, run: dict, tag: str, emit: Any, state: dict) -> None:
-        store, run_id, thread_id = self.store, run["id"], run["thread_id"]
-        emit(
-            "thread.run.in_progress",
-            await store.set_run(run_id, status="in_progress", started_at=now()),
-        )
-        model = run["model"]
+        task.add_done_callback(done)
+
+    def stop(self, run_id: str, why: str = "cancelled") -> None:
+        """Stop the run here, if this ingress carries it out (else its watchdog will)."""
+        task = self.tasks.get(run_id)
+        if task is not None:
+            self._why.setdefault(run_id, why)
+            task.cancel()
+
+    async def shutdown(self) -> None:
+        """The ingress stops: its runs end as failed (the client may start another)."""
+        tasks = list(self.tasks.values())
+        for run_id in list(self.tasks):
+            self.stop(run_id, "stopped")
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    async def _execute(self, run: dict, tag: str, emit: Any) -> None:
+        reply: dict[str, Any] = {"text": "", "message": None, "step": None}
+        watchdog = asyncio.get_running_loop().create_task(self._watch(run))
+        try:
+            status, fields = await self._generate(run, tag, emit, reply)
+        except asyncio.CancelledError:
+            status, fields = self._stopped(run["id"])
+        except ShoalError as exc:
+            codes = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
+            error = {"code": codes.get(exc.status_code, "server_error"), "message": exc.message}
+            logger.warning("run %s failed: %s", run["id"], exc.message)
+            status, fields = "failed", {"failed_at": now(), "last_error": error}
+        except Exception as exc:  # never a run stuck in progress
+            logger.exception("run %s failed", run["id"])
+            error = {"code": "server_error", "message": f"internal error: {type(exc).__name__}"}
+            status, fields = "failed", {"failed_at": now(), "last_error": error}
+        finally:
+            watchdog.cancel()  # no second cancel while the end is written
+        try:
+            await self._end(run, emit, reply, status, fields)
+        except Exception:  # the database is away: the lease lapses and readers end it
+            logger.exception("run %s: its end could not be written", run["id"])
+
+    def _stopped(self, run_id: str) -> tuple[str, dict]:
+        why = self._why.get(run_id, "cancelled")
+        if why == "expired":
+            return "expired", {}
+        if why == "stopped":
+            return "failed", {"failed_at": now(), "last_error": STOPPED}
+        return "cancelled", {"cancelled_at": now()}  # also "ended": the end then changes nothing
+
+    async def _generate(self, run: dict, tag: str, emit: Any, reply: dict) -> tuple[str, dict]:
+        run_id, thread_id, model = run["id"], run["thread_id"], run["model"]
+        begun = await self.runs.begin_run(run_id)
+        if begun["status"] != "in_progress":  # cancelled (or ended) before it began
+            self._why.setdefault(
+                run_id, "cancelled" if begun["status"] == "cancelling" else "ended"
+            )
+            raise asyncio.CancelledError
+        emit("thread.run.in_progress", begun)
         prompt_ids = await self._prompt(run)
-        message = await store.add_message(
-            thread_id,
-            role="assistant",
-            text="",
-            status="in_progress",
-            assistant_id=run["assistant_id"],
-            run_id=run_id,
-        )
-        state["message"] = message
-        step = state["step"] = await store.create_step(run, message["id"])
+        message, step = await self.runs.start_reply(run)
+        reply["message"], reply["step"] = message, step
         emit("thread.run.step.created", step)
         emit("thread.run.step.in_progress", step)
         emit("thread.message.created", message)
@@ -106,77 +117,65 @@ class RunExecutor:
         gen, reused = await generate_in_thread(
             self.ingress, model, thread_id, prompt_ids, params, tag
         )
-        state["generation"] = gen
         async for d in gen.deltas():
-            if not d.text:
-                continue
-            state["text"] += d.text
-            part = {"index": 0, "type": "text", "text": {"value": d.text, "annotations": []}}
-            emit(
-                "thread.message.delta",
-                {
-                    "id": message["id"],
-                    "object": "thread.message.delta",
-                    "delta": {"content": [part]},
-                },
-            )
-        out = gen.outputs[0]
-        usage = {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": gen.completion_tokens,
-            "total_tokens": len(prompt_ids) + gen.completion_tokens,
-        }
+            if d.text:
+                reply["text"] += d.text
+                part = {"index": 0, "type": "text", "text": {"value": d.text, "annotations": []}}
+                delta = {"content": [part]}
+                emit(
+                    "thread.message.delta",
+                    {"id": message["id"], "object": "thread.message.delta", "delta": delta},
+                )
         logger.info(
-            "run %s: %d prompt tokens, %d already in the thread's context, %d generated",
+            "run %s: %d prompt tokens, %d of them already in the thread's context; %d generated",
             run_id,
             len(prompt_ids),
             reused,
             gen.completion_tokens,
         )
-        if out.finish_reason == "length":
-            await self._end(
-                run,
-                emit,
-                state,
-                "incomplete",
-                usage=usage,
-                incomplete_details={"reason": "max_completion_tokens"},
-            )
-        else:
-            await self._end(run, emit, state, "completed", usage=usage, completed_at=now())
+        n = gen.completion_tokens
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n}
+        usage["total_tokens"] = len(prompt_ids) + n
+        if gen.outputs[0].finish_reason == "length":
+            return "incomplete", {
+                "usage": usage,
+                "incomplete_details": {"reason": "max_completion_tokens"},
+            }
+        return "completed", {"usage": usage, "completed_at": now()}
 
-    async def _end(self, run: dict, emit: Any, state: dict, status: str, **fields: Any) -> None:
-        """Write the run's end, its message's and its step's, and emit their events."""
-        store, t = self.store, now()
-        message, step = state["message"], state["step"]
+    async def _end(self, run: dict, emit: Any, reply: dict, status: str, fields: dict) -> None:
+        """Write the run's end with its message's and step's, and emit their events."""
+        t, message, step = now(), reply["message"], reply["step"]
+        ends = None
         if message is not None:
             if status == "completed":
-                changes = {"status": "completed", "completed_at": t}
+                message_changes = {"status": "completed", "completed_at": t}
             else:
-                reason = {"cancelled": "run_cancelled", "failed": "run_failed"}.get(
-                    status, "max_tokens"
-                )
-                changes = {
+                why = {"cancelled": "run_cancelled", "incomplete": "max_tokens"}
+                reason = why.get(status, "run_failed")
+                message_changes = {
                     "status": "incomplete",
                     "incomplete_at": t,
                     "incomplete_details": {"reason": reason},
                 }
-            message = await store.set_message(message["id"], text=state["text"], **changes)
-            emit(f"thread.message.{message['status']}", message)
-        if step is not None:
-            step_status = {"incomplete": "completed"}.get(status, status)
-            step_fields = {"usage": fields.get("usage")} if step_status == "completed" else {}
-            if status in ("cancelled", "failed"):
-                step_fields[f"{status}_at"] = t
-                step_fields["last_error"] = fields.get("last_error")
-            else:
-                step_fields["completed_at"] = t
-            emit(
-                f"thread.run.step.{step_status}",
-                await store.set_step(step["id"], status=step_status, **step_fields),
-            )
-        ended = await store.set_run(run["id"], status=status, **fields)
-        emit(f"thread.run.{status}", ended)
+            message_changes["text"] = reply["text"]
+            step_status = "completed" if status in ("completed", "incomplete") else status
+            step_changes: dict[str, Any] = {"status": step_status}
+            if step_status == "completed":
+                step_changes.update(completed_at=t, usage=fields.get("usage"))
+            elif step_status in ("cancelled", "failed"):
+                step_changes.update(
+                    {f"{step_status}_at": t, "last_error": fields.get("last_error")}
+                )
+            ends = (message["id"], message_changes, step["id"], step_changes)
+        ended = await self.runs.end_run(run["id"], {"status": status, **fields}, ends)
+        if ended is None:
+            return  # it had ended already (cancelled, expired, lapsed, its thread deleted)
+        run_now, message_now, step_now = ended
+        if message_now is not None:
+            emit(f"thread.message.{message_now['status']}", message_now)
+            emit(f"thread.run.step.{step_now['status']}", step_now)
+        emit(f"thread.run.{status}", run_now)
 
     async def _prompt(self, run: dict) -> list[int]:
         """The conversation as the model's chat template renders it, with the run's
@@ -193,15 +192,19 @@ class RunExecutor:
             if len(ids) <= budget:
                 return ids
             if len(messages) <= 1:
-                raise _PromptTooLong(
-                    f"the thread's last message alone takes {len(ids)} tokens, more than the run's budget of {budget}"
+                raise PromptTooLongError(
+                    f"the thread's last message alone takes {len(ids)} tokens, more than "
+                    f"the run's budget of {budget}"
                 )
-            messages = messages[1:]
+            # Roughly the share that is too much, at least one message (few encodes).
+            over = max(1, len(messages) * (len(ids) - budget) // len(ids))
+            messages = messages[min(over, len(messages) - 1) :]
 
     async def _params(self, run: dict, num_prompt: int) -> SamplingParams:
+        """As OpenAI: no cap but the model's context unless the run sets one."""
         info = await self.ingress.info(run["model"])
         room = max(1, info.max_model_len - num_prompt)
-        wanted = run["max_completion_tokens"] or self.ingress.config.max_tokens_default
+        wanted = run["max_completion_tokens"] or room
         params: dict[str, Any] = {"max_tokens": min(wanted, room)}
         if run["temperature"] is not None:
             params["temperature"] = run["temperature"]
@@ -209,15 +212,22 @@ class RunExecutor:
             params["top_p"] = run["top_p"]
         return SamplingParams(**params)
 
-    async def _watch(self, run_id: str) -> None:
-        """Renew the run's lease every tick; cancel the run when someone asked to."""
+    async def _watch(self, run: dict) -> None:
+        """Renew the run's lease every tick; stop the run when a cancel was asked, when it
+        passed its expires_at, or when someone else ended it."""
+        run_id = run["id"]
         while True:
             await asyncio.sleep(self.tick_s)
             with contextlib.suppress(Exception):  # a database hiccup: the next tick tries again
-                if await self.store.renew_lease(run_id) == "cancelling":
-                    self.cancel(run_id)
+                status = (await self.runs.renew_lease(run_id))["status"]
+                if status == "cancelling":
+                    self.stop(run_id, "cancelled")
+                elif status not in RUN_ACTIVE:
+                    self.stop(run_id, "ended")
+                elif run["expires_at"] is not None and now() >= run["expires_at"]:
+                    self.stop(run_id, "expired")
 
 
-class _PromptTooLong(ShoalError):
+class PromptTooLongError(ShoalError):
     status_code = 400
     error_type = "invalid_request_error"

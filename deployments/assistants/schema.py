@@ -13,11 +13,13 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import JSON, Float, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Float, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 RUN_ACTIVE = ("queued", "in_progress", "cancelling")
-RUN_TERMINAL = ("completed", "cancelled", "failed", "expired", "incomplete")
+# One active run per thread, kept by the database itself (two ingresses may race to start
+# one): a partial unique index, which SQLite and PostgreSQL both have.
+ACTIVE_WHERE = text("status IN ('queued', 'in_progress', 'cancelling')")
 
 
 def new_id(prefix: str) -> str:
@@ -111,7 +113,11 @@ class Message(Base):
             "completed_at": self.completed_at,
             "incomplete_at": self.incomplete_at,
             "role": self.role,
-            "content": [{"type": "text", "text": {"value": self.text, "annotations": []}}],
+            # Empty until the first piece: the SDK's accumulator then starts a text part
+            # (on_text_created), as OpenAI's own streams have it.
+            "content": [{"type": "text", "text": {"value": self.text, "annotations": []}}]
+            if self.text
+            else [],
             "assistant_id": self.assistant_id,
             "run_id": self.run_id,
             "attachments": [],
@@ -121,6 +127,15 @@ class Message(Base):
 
 class Run(Base):
     __tablename__ = "runs"
+    __table_args__ = (
+        Index(
+            "one_active_run_per_thread",
+            "thread_id",
+            unique=True,
+            sqlite_where=ACTIVE_WHERE,
+            postgresql_where=ACTIVE_WHERE,
+        ),
+    )
 
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True, index=True)

@@ -26,8 +26,14 @@ def install(app: FastAPI, ingress: Ingress) -> None:
     if not config.enabled:
         return
     store = AssistantsStore(config.url(), config.run_lease_s)
-    app.state.assistants = Assistants(store, RunExecutor(ingress, store))
+    assistants = app.state.assistants = Assistants(store, RunExecutor(ingress, store))
     logger.info("assistants database ready (%s)", store.db.engine.url.render_as_string())
+
+    async def stop() -> None:  # Serve runs the app's shutdown when the replica stops
+        await assistants.runs.shutdown()
+        store.close()
+
+    app.router.on_shutdown.append(stop)
 
 
 def assistants_of(request: Request) -> Assistants:

@@ -12,6 +12,7 @@ another model, an edited or deleted message). The append names the length it app
 never extended from the middle: that append fails, and the run rebuilds.
 """
 
+import asyncio
 import logging
 
 from app.protocol.errors import ShoalError
@@ -21,6 +22,7 @@ from deployments.generation import Generation
 from deployments.ingress import Ingress
 
 logger = logging.getLogger("ray.serve")
+BUSY_PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8, None)  # a busy (409) context: waits, then give up
 
 
 def context_id(thread_id: str) -> str:
@@ -39,28 +41,54 @@ async def generate_in_thread(
     prompt's tokens the context already held (0: rebuilt)."""
     cid = context_id(thread_id)
     held = await held_tokens(ingress, model, cid)
-    reused = len(held) if held is not None and _extends(prompt_ids, held) else 0
-    if reused:
-        op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=reused)
+    if held is not None and _extends(prompt_ids, held):
+        op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=len(held))
         try:
-            gen = await ingress.generate(
-                model, prompt_ids[reused:], params, [], tag, op, detok_prefix=prompt_ids
-            )
-            return gen, reused
+            new = prompt_ids[len(held) :]
+            return await _generate(ingress, model, new, params, tag, op, prompt_ids), len(held)
         except ShoalError as exc:  # lost or changed since the read (410): rebuild
             if not _gone(exc):
                 raise
-            held, why = None, exc.message
+            why = exc.message
     else:
         why = _why_rebuilt(held)
     logger.info(
         "thread %s: rebuilding its context (%d tokens): %s", thread_id, len(prompt_ids), why
     )
-    if held is not None:
-        await free(ingress, model, thread_id)
     op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=0)
-    gen = await ingress.generate(model, prompt_ids, params, [], tag, op, detok_prefix=prompt_ids)
-    return gen, 0
+    for attempt in range(2):
+        # Whatever is there goes first: a stale copy, or the mark of a dropped one (which
+        # would answer the new context's first call with a 410).
+        await free(ingress, model, thread_id)
+        try:
+            return await _generate(ingress, model, prompt_ids, params, tag, op, prompt_ids), 0
+        except ShoalError as exc:
+            if not _gone(exc) or attempt == 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _generate(
+    ingress: Ingress,
+    model: str,
+    new_ids: list[int],
+    params: SamplingParams,
+    tag: str,
+    op: ContextOp,
+    prompt_ids: list[int],
+) -> Generation:
+    """Start it; a context still busy for a moment (the generation of a run cancelled
+    just before, which its replica has not yet let go of) is waited for briefly."""
+    for pause in BUSY_PAUSES_S:
+        try:
+            return await ingress.generate(
+                model, new_ids, params, [], tag, op, detok_prefix=prompt_ids
+            )
+        except ShoalError as exc:
+            if exc.status_code != 409 or pause is None:
+                raise
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
 
 
 async def held_tokens(ingress: Ingress, model: str, cid: str) -> list[int] | None:

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from app.protocol.assistants import RunCreate, ThreadAndRunCreate, WithMetadata
 from deployments.assistants.runs import END
+from deployments.assistants.schema import RUN_ACTIVE
 from deployments.assistants.service import Assistants, AssistantsDep
 from deployments.ingress import IngressDep, RequestTag
 from deployments.routes.assistants import CursorDep, IdempotencyKey
@@ -23,12 +24,14 @@ from deployments.streaming import SSE_HEADERS
 
 router = APIRouter(prefix="/v1")
 POLL_AFTER_MS = "250"  # the SDK's create_and_poll waits this long between reads
+DONE = "event: done\ndata: [DONE]\n\n"
 
 
 @router.post("/threads/runs")
 async def create_thread_and_run(
     req: ThreadAndRunCreate, a: AssistantsDep, ingress: IngressDep, tag: RequestTag
 ):  # noqa: ANN201
+    await a.store.get_assistant(req.assistant_id)  # a 404 before any thread is made
     thread = req.thread
     messages = [m.fields() for m in thread.messages] if thread else []
     created = await a.store.create_thread((thread.metadata if thread else None) or {}, messages)
@@ -49,38 +52,37 @@ async def create_run(
 
 @router.get("/threads/{thread_id}/runs")
 async def list_runs(thread_id: str, a: AssistantsDep, cursor: CursorDep) -> dict:
-    return await a.store.list_runs(thread_id, **cursor.args)
+    return await a.store.runs.list_runs(thread_id, **cursor.args)
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}")
 async def get_run(thread_id: str, run_id: str, a: AssistantsDep, response: Response) -> dict:
     response.headers["openai-poll-after-ms"] = POLL_AFTER_MS
-    return await a.store.get_run(thread_id, run_id)
+    return await a.store.runs.get_run(thread_id, run_id)
 
 
 @router.post("/threads/{thread_id}/runs/{run_id}")
 async def update_run(thread_id: str, run_id: str, req: WithMetadata, a: AssistantsDep) -> dict:
-    await a.store.get_run(thread_id, run_id)  # 404 for a run of another thread
     if "metadata" not in req.model_fields_set:
-        return await a.store.get_run(thread_id, run_id)
-    return await a.store.set_run(run_id, meta=req.metadata or {})
+        return await a.store.runs.get_run(thread_id, run_id)
+    return await a.store.runs.update_run_metadata(thread_id, run_id, req.metadata or {})
 
 
 @router.post("/threads/{thread_id}/runs/{run_id}/cancel")
 async def cancel_run(thread_id: str, run_id: str, a: AssistantsDep) -> dict:
-    run = await a.store.request_cancel(thread_id, run_id)
-    a.runs.cancel(run_id)  # here at once; another ingress's run at its next lease tick
+    run = await a.store.runs.request_cancel(thread_id, run_id)
+    a.runs.stop(run_id)  # here at once; another ingress's run at its next lease tick
     return run
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/steps")
 async def list_steps(thread_id: str, run_id: str, a: AssistantsDep, cursor: CursorDep) -> dict:
-    return await a.store.list_steps(thread_id, run_id, **cursor.args)
+    return await a.store.runs.list_steps(thread_id, run_id, **cursor.args)
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/steps/{step_id}")
 async def get_step(thread_id: str, run_id: str, step_id: str, a: AssistantsDep) -> dict:
-    return await a.store.get_step(thread_id, run_id, step_id)
+    return await a.store.runs.get_step(thread_id, run_id, step_id)
 
 
 async def _create_run(
@@ -112,30 +114,41 @@ async def _create_run(
     for i, m in enumerate(req.additional_messages or ()):
         message_key = None if key is None else f"{key}/message/{i}"
         await a.store.create_message(thread_id, m.fields(), message_key)
-    run, is_new = await a.store.create_run(thread_id, fields, key)
+    run, is_new = await a.store.runs.create_run(thread_id, fields, key)
     events: asyncio.Queue | None = asyncio.Queue() if req.stream and is_new else None
     if is_new:
         a.runs.start(run, tag, events)
     if not req.stream:
         return run
-    return StreamingResponse(
-        _events(run, events, new_thread), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    body = _events(run, events, new_thread) if is_new else _replay(a, run)
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _events(
-    run: dict, events: asyncio.Queue | None, new_thread: dict | None
-) -> AsyncIterator[str]:
-    """The run's events as the SDK reads them; a retried stream (its run made already)
-    gets the run as it is now, and ends."""
+async def _events(run: dict, events: asyncio.Queue, new_thread: dict | None) -> AsyncIterator[str]:
+    """The run's events as the SDK reads them."""
     if new_thread is not None:
         yield _frame("thread.created", new_thread)
     yield _frame("thread.run.created", run)
-    if events is not None:
-        yield _frame("thread.run.queued", run)
-        while (item := await events.get()) is not END:
-            yield _frame(*item)
-    yield "event: done\ndata: [DONE]\n\n"
+    yield _frame("thread.run.queued", run)
+    while (item := await events.get()) is not END:
+        yield _frame(*item)
+    yield DONE
+
+
+async def _replay(a: Assistants, run: dict) -> AsyncIterator[str]:
+    """A retried stream (its run made by the first attempt, and carried out there):
+    the run followed in the database to its end, then its message and the run's end, so
+    the SDK's final run and messages are right (the text arrives whole, not in deltas)."""
+    yield _frame("thread.run.created", run)
+    while run["status"] in RUN_ACTIVE:
+        await asyncio.sleep(float(POLL_AFTER_MS) / 1000)
+        run = await a.store.runs.get_run(run["thread_id"], run["id"])
+    messages = await a.store.list_messages(run["thread_id"], run["id"], limit=100, order="asc")
+    for message in messages["data"]:
+        yield _frame("thread.message.created", {**message, "content": []})
+        yield _frame(f"thread.message.{message['status']}", message)
+    yield _frame(f"thread.run.{run['status']}", run)
+    yield DONE
 
 
 def _frame(name: str, data: dict) -> str:

@@ -107,7 +107,9 @@ async def update_thread(thread_id: str, req: ThreadUpdate, a: AssistantsDep) -> 
 
 @router.delete("/threads/{thread_id}")
 async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep) -> dict:
-    deleted = await a.store.delete_thread(thread_id)
+    deleted, active = await a.store.delete_thread(thread_id)
+    for run_id in active:  # ended as cancelled in the database: stop their work here
+        a.runs.stop(run_id)
     for model in ingress.config.models:  # its context, wherever a run left one
         try:
             await free(ingress, model.name, thread_id)

@@ -65,8 +65,8 @@ def test_state_survives_a_restart_and_lapsed_runs_fail(smollm2_engine, database_
         # A run whose ingress dies in the middle: made and marked in progress, never ended.
         store = app.state.assistants.store
         fields = {"assistant_id": a.id, "model": MODEL, "instructions": None}
-        orphan, _ = run(store.create_run(thread.id, fields, None))
-        run(store.set_run(orphan["id"], status="in_progress"))
+        orphan, _ = run(store.runs.create_run(thread.id, fields, None))
+        run(store.runs.begin_run(orphan["id"]))
     time.sleep(LEASE_S * 1.5)
 
     async def second_life(client):  # noqa: ANN001, ANN202
@@ -89,3 +89,47 @@ def test_state_survives_a_restart_and_lapsed_runs_fail(smollm2_engine, database_
     assert lapsed.status == "failed" and lapsed.last_error.code == "server_error"
     assert again.status in ("completed", "incomplete") and again.usage.completion_tokens > 0
     assert [r.id for r in runs.data] == [done.id, orphan["id"], again.id]
+
+
+def test_one_active_run_per_thread_and_transitions_that_never_overwrite(database_url):
+    """Racing requests never make two active runs on one thread (the database's own
+    partial unique index decides); an ended run takes no cancel, and ends once."""
+    import asyncio
+
+    from app.protocol.errors import InvalidRequestError
+    from deployments.assistants.store import AssistantsStore
+
+    store = AssistantsStore(database_url, lease_s=30)
+    runs = store.runs
+
+    async def scenario():  # noqa: ANN202
+        thread = await store.create_thread({}, [{"role": "user", "text": "hi", "meta": {}}])
+        fields = {"assistant_id": "asst_x", "model": MODEL, "instructions": None}
+        tries = await asyncio.gather(
+            *(runs.create_run(thread["id"], fields, None) for _ in range(8)),
+            return_exceptions=True,
+        )
+        made = [t[0] for t in tries if isinstance(t, tuple)]
+        refused = [t for t in tries if isinstance(t, InvalidRequestError)]
+        run_id = made[0]["id"]
+        begun = await runs.begin_run(run_id)
+        ended = await runs.end_run(run_id, {"status": "completed", "completed_at": 1}, None)
+        again = await runs.end_run(run_id, {"status": "failed"}, None)
+        try:
+            await runs.request_cancel(thread["id"], run_id)
+            late_cancel = None
+        except InvalidRequestError as exc:
+            late_cancel = exc
+        final = await runs.get_run(thread["id"], run_id)
+        return made, refused, begun, ended, again, late_cancel, final
+
+    try:
+        made, refused, begun, ended, again, late_cancel, final = asyncio.run(scenario())
+    finally:
+        store.close()
+    assert len(made) == 1 and len(refused) == 7, (made, refused)
+    assert "already has an active run" in refused[0].message
+    assert begun["status"] == "in_progress" and begun["started_at"]
+    assert ended[0]["status"] == "completed" and again is None
+    assert late_cancel is not None and "completed" in late_cancel.message
+    assert final["status"] == "completed"

@@ -5,7 +5,7 @@ import asyncio
 
 import openai
 import pytest
-from openai import AssistantEventHandler
+from openai import AsyncAssistantEventHandler
 
 from app.protocol.messages import ContextAction, ContextOp
 from deployments.assistants.thread_context import context_id
@@ -149,44 +149,53 @@ def test_run_poll_then_follow_up_prefills_only_new_tokens(served):
 
 
 def test_streamed_run_with_the_sdks_event_handler(served):
-    class Handler(AssistantEventHandler):
+    class Handler(AsyncAssistantEventHandler):
         def __init__(self) -> None:
             super().__init__()
             self.names: list[str] = []
             self.pieces: list[str] = []
+            self.snapshot = ""
+            self.done: list = []
+            self.texts_created = 0
 
-        def on_event(self, event) -> None:  # noqa: ANN001
+        async def on_event(self, event) -> None:  # noqa: ANN001
             self.names.append(event.event)
 
-        def on_text_delta(self, delta, snapshot) -> None:  # noqa: ANN001
+        async def on_text_delta(self, delta, snapshot) -> None:  # noqa: ANN001
             self.pieces.append(delta.value)
+            self.snapshot = snapshot.value
+
+        async def on_message_done(self, message) -> None:  # noqa: ANN001
+            self.done.append(message)
+
+        async def on_text_created(self, text) -> None:  # noqa: ANN001
+            self.texts_created += 1
 
     async def body(client):  # noqa: ANN001, ANN202
         a = await _assistant(client)
         thread = await client.beta.threads.create(
             messages=[{"role": "user", "content": "Say hello."}]
         )
-        # The async SDK's stream helper takes an AsyncAssistantEventHandler; collect the
-        # same events from the raw stream and feed the sync handler's callbacks too.
         handler = Handler()
         async with client.beta.threads.runs.stream(
-            thread_id=thread.id, assistant_id=a.id, max_completion_tokens=24
+            thread_id=thread.id, assistant_id=a.id, max_completion_tokens=24, event_handler=handler
         ) as stream:
-            async for ev in stream:
-                handler.on_event(ev)
-                if ev.event == "thread.message.delta":
-                    handler.pieces.append(ev.data.delta.content[0].text.value)
+            await stream.until_done()
             final = await stream.get_final_run()
+            final_messages = await stream.get_final_messages()
         messages = await client.beta.threads.messages.list(thread.id)
-        return handler, final, messages
+        return handler, final, final_messages, messages
 
-    handler, final, messages = scenario(served, body)
-    names = handler.names
+    handler, final, final_messages, messages = scenario(served, body)
+    names, stored = handler.names, messages.data[0].content[0].text.value
     assert names[0] == "thread.run.created" and names[-1] == f"thread.run.{final.status}"
     for name in ("thread.run.in_progress", "thread.message.created", "thread.message.delta"):
         assert name in names
     assert names.index("thread.message.created") < names.index("thread.message.delta")
-    assert "".join(handler.pieces) == messages.data[0].content[0].text.value
+    assert "".join(handler.pieces) == handler.snapshot == stored  # the SDK's accumulation
+    assert handler.texts_created == 1
+    assert [m.id for m in handler.done] == [m.id for m in final_messages] == [messages.data[0].id]
+    assert final_messages[0].content[0].text.value == stored
     assert final.usage.completion_tokens > 0
 
 
@@ -276,3 +285,63 @@ def test_create_and_run_and_a_lost_context_rebuilt(served):
     assert first.status in ("completed", "incomplete") and first.thread_id.startswith("thread_")
     assert warm_text and cold_text == warm_text  # greedy: the same answer, rebuilt or not
     assert cold.usage.prompt_tokens == warm.usage.prompt_tokens
+
+
+def test_deleting_a_thread_mid_run_stops_its_work(served):
+    server = served[1]
+
+    async def body(client):  # noqa: ANN001, ANN202
+        a = await _assistant(client)
+        thread = await client.beta.threads.create(
+            messages=[{"role": "user", "content": "Count to one thousand."}]
+        )
+        runs = client.beta.threads.runs
+        r = await runs.create(thread_id=thread.id, assistant_id=a.id, max_completion_tokens=2000)
+        while (await runs.retrieve(r.id, thread_id=thread.id)).status != "in_progress":
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        deleted = await client.beta.threads.delete(thread.id)
+        with pytest.raises(openai.NotFoundError):
+            await runs.retrieve(r.id, thread_id=thread.id)
+        for _ in range(100):  # the generation is cancelled, the context freed
+            stats = await server.stats()
+            if stats["num_running"] == 0 and stats["num_contexts"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        # The same assistant carries on with other threads.
+        other = await client.beta.threads.create_and_run_poll(
+            assistant_id=a.id,
+            thread={"messages": [{"role": "user", "content": "Hi"}]},
+            max_completion_tokens=4,
+        )
+        return deleted, stats, other
+
+    deleted, stats, other = scenario(served, body)
+    assert deleted.deleted
+    assert stats["num_running"] == 0 and stats["num_contexts"] == 0, stats
+    assert other.status in ("completed", "incomplete")
+
+
+def test_a_retried_stream_follows_the_first_attempts_run(served):
+    async def body(client):  # noqa: ANN001, ANN202
+        a = await _assistant(client)
+        thread = await client.beta.threads.create(
+            messages=[{"role": "user", "content": "Say hello."}]
+        )
+        key = {"Idempotency-Key": "stream-1"}
+        finals = []
+        for _ in range(2):  # the second is the SDK retrying with the same key
+            async with client.beta.threads.runs.stream(
+                thread_id=thread.id, assistant_id=a.id, max_completion_tokens=12, extra_headers=key
+            ) as stream:
+                await stream.until_done()
+                finals.append((await stream.get_final_run(), await stream.get_final_messages()))
+        runs = await client.beta.threads.runs.list(thread.id)
+        return finals, runs
+
+    (run1, msgs1), (run2, msgs2) = scenario(served, body)[0]
+    runs = scenario(served, lambda c: c.beta.threads.runs.list(run1.thread_id))
+    assert run1.id == run2.id and run2.status == run1.status != "queued"
+    assert [m.id for m in msgs2] == [m.id for m in msgs1]
+    assert msgs2[0].content[0].text.value == msgs1[0].content[0].text.value
+    assert len(runs.data) == 1

@@ -342,3 +342,26 @@ def test_a_busy_context_cannot_be_saved(engine, tmp_path):
     with pytest.raises(ConflictError) as info:
         ContextFiles(engine).save("c", str(slot_files.checked_path(tmp_path, "c.bin")))
     assert info.value.param is None and "busy" in info.value.message
+
+
+def test_an_append_names_the_length_it_extends(engine):
+    """`expected_tokens`: an append to a context that is not as long as the caller read
+    (lost, re-made, grown) fails with 410 and changes nothing; 0 means it must not exist."""
+    from app.protocol.errors import ContextGoneError
+
+    def append(cid: str, expected: int) -> ContextOp:
+        return ContextOp(cid, ContextAction.GENERATE, expected_tokens=expected)
+
+    with pytest.raises(ContextGoneError):
+        engine.add_request("a0", [1, 2, 3], GREEDY, append("t", 3))  # not there at all
+    assert "t" not in engine.contexts.contexts
+    out = run(engine, "a1", append("t", 0), [1, 2, 3])  # made, as 0 says it must be
+    held = engine.context_tokens("t")
+    assert held == [1, 2, 3] + out
+    with pytest.raises(ContextGoneError):
+        engine.add_request("a2", [9], GREEDY, append("t", 0))  # exists: not a fresh one
+    with pytest.raises(ContextGoneError):
+        engine.add_request("a3", [9], GREEDY, append("t", len(held) - 1))
+    assert engine.context_tokens("t") == held  # unchanged by the refusals
+    more = run(engine, "a4", append("t", len(held)), [9])
+    assert engine.context_tokens("t") == held + [9] + more

@@ -118,6 +118,13 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f("ix_runs_id"), ["id"], unique=True)
         batch_op.create_index(batch_op.f("ix_runs_status"), ["status"], unique=False)
         batch_op.create_index(batch_op.f("ix_runs_thread_id"), ["thread_id"], unique=False)
+        batch_op.create_index(
+            "one_active_run_per_thread",
+            ["thread_id"],
+            unique=True,
+            sqlite_where=sa.text("status IN ('queued', 'in_progress', 'cancelling')"),
+            postgresql_where=sa.text("status IN ('queued', 'in_progress', 'cancelling')"),
+        )
 
     op.create_table(
         "threads",
@@ -142,6 +149,8 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f("ix_runs_status"))
         batch_op.drop_index(batch_op.f("ix_runs_id"))
 
+    with op.batch_alter_table("runs", schema=None) as batch_op:
+        batch_op.drop_index("one_active_run_per_thread")
     op.drop_table("runs")
     with op.batch_alter_table("run_steps", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_run_steps_thread_id"))

@@ -1,0 +1,234 @@
+"""Runs and run steps in the database: their transitions and their leases.
+
+Every transition is one conditional UPDATE (`... WHERE status IN (...)`), so two writers
+never overwrite each other: a cancel that lands after the run ended is refused, an end
+that comes after the run was cancelled, expired or lapsed changes nothing.
+
+Leases: the ingress carrying out a run renews `leased_at` every tick. A run whose lease
+has lapsed (its ingress crashed or was stopped) is ended as failed, or expired past its
+`expires_at`, by whoever reads it next, from any ingress replica: no run stays queued or
+in progress for ever, and its thread can take a new run.
+"""
+
+import time
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.protocol.errors import InvalidRequestError
+from deployments.assistants.database import Database, find, once, page
+from deployments.assistants.schema import RUN_ACTIVE, Message, Run, RunStep, Thread, new_id, now
+
+RUN_EXPIRES_AFTER_S = 600  # OpenAI's: a run not done in ten minutes expires
+LAPSED_ERROR = {
+    "code": "server_error",
+    "message": "the server running this run stopped before it finished; create a new run",
+}
+
+
+class RunStore:
+    def __init__(self, db: Database, lease_s: float) -> None:
+        self.db = db
+        self.lease_s = lease_s
+
+    async def create_run(self, thread_id: str, fields: dict, key: str | None) -> tuple[dict, bool]:
+        """A queued run, and whether it is new (not a retry's): the caller starts it.
+        400 while the thread has an active run, also when two requests race for it."""
+
+        def work(s: Session) -> dict:
+            find(s, Thread, thread_id)
+            self.refuse_if_running(s, thread_id, "Thread {thread} already has an active run {run}.")
+            row = Run(
+                id=new_id("run"),
+                thread_id=thread_id,
+                expires_at=now() + RUN_EXPIRES_AFTER_S,
+                leased_at=time.time(),
+                **fields,
+            )
+            s.add(row)
+            s.flush()
+            return row.as_api()
+
+        try:
+            return await once(self.db, key, f"runs:{thread_id}", Run, work)
+        except IntegrityError:  # the other run won the one-active-run index: now it shows
+            return await once(self.db, key, f"runs:{thread_id}", Run, work)
+
+    async def get_run(self, thread_id: str, run_id: str) -> dict:
+        def work(s: Session) -> dict:
+            row = find(s, Run, run_id, thread_id=thread_id)
+            self.end_if_lapsed(s, row)
+            return row.as_api()
+
+        return await self.db.work(work)
+
+    async def list_runs(self, thread_id: str, **cursor: Any) -> dict:
+        def work(s: Session) -> dict:
+            find(s, Thread, thread_id)
+            for row in s.scalars(select(Run).filter_by(thread_id=thread_id)):
+                self.end_if_lapsed(s, row)
+            return page(s, Run, thread_id=thread_id, **cursor)
+
+        return await self.db.work(work)
+
+    async def update_run_metadata(self, thread_id: str, run_id: str, meta: dict) -> dict:
+        def work(s: Session) -> dict:
+            row = find(s, Run, run_id, thread_id=thread_id)
+            row.meta = meta
+            return row.as_api()
+
+        return await self.db.work(work)
+
+    async def begin_run(self, run_id: str) -> dict:
+        """queued -> in_progress; else the run as it is (`cancelling` when a cancel came
+        first)."""
+        t = now()
+        changes = {"status": "in_progress", "started_at": t, "leased_at": time.time()}
+        return await self.db.work(_transition, run_id, ("queued",), changes)
+
+    async def renew_lease(self, run_id: str) -> dict:
+        """Renew an active run's lease; the run (`cancelling` when a cancel was asked
+        through any ingress, ended when someone ended it)."""
+        return await self.db.work(_transition, run_id, RUN_ACTIVE, {"leased_at": time.time()})
+
+    async def request_cancel(self, thread_id: str, run_id: str) -> dict:
+        def work(s: Session) -> dict:
+            row = find(s, Run, run_id, thread_id=thread_id)
+            self.end_if_lapsed(s, row)
+            done = s.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.status.in_(("queued", "in_progress")))
+                .values(status="cancelling")
+            )
+            s.refresh(row)
+            if done.rowcount == 0:
+                raise InvalidRequestError(
+                    f"Cannot cancel run with status '{row.status}'.", param="run_id"
+                )
+            return row.as_api()
+
+        return await self.db.work(work)
+
+    # ---- within a caller's transaction ---------------------------------------------------
+    def end_active_runs(self, s: Session, thread_id: str) -> list[str]:
+        """End the thread's active runs as cancelled (its deletion); their ids."""
+        rows = list(
+            s.scalars(select(Run).filter_by(thread_id=thread_id).where(Run.status.in_(RUN_ACTIVE)))
+        )
+        for row in rows:
+            row.status, row.cancelled_at = "cancelled", now()
+        return [row.id for row in rows]
+
+    async def start_reply(self, run: dict) -> tuple[dict, dict]:
+        """The assistant's message (in progress) and its run step, for a run in progress
+        on a thread that still exists."""
+
+        def work(s: Session) -> tuple[dict, dict]:
+            find(s, Thread, run["thread_id"])
+            message = Message(
+                id=new_id("msg"),
+                thread_id=run["thread_id"],
+                role="assistant",
+                status="in_progress",
+                assistant_id=run["assistant_id"],
+                run_id=run["id"],
+            )
+            step = RunStep(
+                id=new_id("step"),
+                run_id=run["id"],
+                thread_id=run["thread_id"],
+                assistant_id=run["assistant_id"],
+                message_id=message.id,
+            )
+            s.add_all([message, step])
+            s.flush()
+            return message.as_api(), step.as_api()
+
+        return await self.db.work(work)
+
+    async def end_run(
+        self, run_id: str, run: dict, reply: tuple[str, dict, str, dict] | None
+    ) -> tuple[dict, dict | None, dict | None] | None:
+        """End an active run with `run`'s changes, and its reply: (message id, its
+        changes, step id, its changes); one transaction. None when the run had already
+        ended (cancelled, expired or lapsed meanwhile, or its thread deleted)."""
+
+        def work(s: Session) -> tuple[dict, dict | None, dict | None] | None:
+            ended = s.execute(
+                update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE)).values(**run)
+            )
+            if ended.rowcount == 0:
+                return None
+            message = step = None
+            if reply is not None:
+                message_id, message_changes, step_id, step_changes = reply
+                message = _set(s, Message, message_id, message_changes)
+                step = _set(s, RunStep, step_id, step_changes)
+            return find(s, Run, run_id).as_api(), message, step
+
+        return await self.db.work(work)
+
+    async def get_step(self, thread_id: str, run_id: str, step_id: str) -> dict:
+        return await self.db.work(
+            lambda s: find(s, RunStep, step_id, thread_id=thread_id, run_id=run_id).as_api()
+        )
+
+    async def list_steps(self, thread_id: str, run_id: str, **cursor: Any) -> dict:
+        def work(s: Session) -> dict:
+            find(s, Run, run_id, thread_id=thread_id)
+            return page(s, RunStep, run_id=run_id, **cursor)
+
+        return await self.db.work(work)
+
+    def refuse_if_running(self, s: Session, thread_id: str, message: str) -> None:
+        active = select(Run).filter_by(thread_id=thread_id).where(Run.status.in_(RUN_ACTIVE))
+        for run in s.scalars(active):
+            if not self.end_if_lapsed(s, run):
+                raise InvalidRequestError(
+                    message.format(thread=thread_id, run=run.id), param="thread_id"
+                )
+
+    def end_if_lapsed(self, s: Session, row: Run) -> bool:
+        """End `row` if its lease has lapsed (only if no one renewed it meanwhile)."""
+        cutoff = time.time() - self.lease_s
+        if row.status not in RUN_ACTIVE or row.leased_at >= cutoff:
+            return False
+        t = now()
+        expired = row.expires_at is not None and t >= row.expires_at
+        changes = {"status": "expired"} if expired else {"status": "failed", "failed_at": t}
+        done = s.execute(
+            update(Run)
+            .where(Run.id == row.id, Run.status.in_(RUN_ACTIVE), Run.leased_at < cutoff)
+            .values(**changes, last_error=None if expired else LAPSED_ERROR)
+        )
+        if done.rowcount == 0:
+            return False
+        s.execute(
+            update(RunStep)
+            .where(RunStep.run_id == row.id, RunStep.status == "in_progress")
+            .values(status="failed", failed_at=t, last_error=LAPSED_ERROR)
+        )
+        s.execute(
+            update(Message)
+            .where(Message.run_id == row.id, Message.status == "in_progress")
+            .values(
+                status="incomplete", incomplete_at=t, incomplete_details={"reason": "run_failed"}
+            )
+        )
+        s.refresh(row)
+        return True
+
+
+def _transition(s: Session, run_id: str, allowed: tuple[str, ...], changes: dict) -> dict:
+    s.execute(update(Run).where(Run.id == run_id, Run.status.in_(allowed)).values(**changes))
+    return find(s, Run, run_id).as_api()
+
+
+def _set(s: Session, model: type, object_id: str, changes: dict) -> dict:
+    row = find(s, model, object_id)
+    for name, value in changes.items():
+        setattr(row, name, value)
+    s.flush()
+    return row.as_api()
