@@ -188,6 +188,19 @@ class AppConfig(BaseModel):
             raise ValueError("at least one model must be configured")
         return self
 
+    @model_validator(mode="after")
+    def _one_assistants_database(self) -> "AppConfig":
+        if (
+            self.ingress_replicas > 1
+            and self.assistants.enabled
+            and not self.assistants.database_url
+        ):
+            raise ValueError(
+                "ingress replicas would each keep their own Assistants SQLite file: set "
+                "assistants.database_url to a database they share, or assistants.enabled: false"
+            )
+        return self
+
     def model(self, name: str) -> ModelDeploymentConfig | None:
         return next((m for m in self.models if m.name == name), None)
 
@@ -205,6 +218,10 @@ class AppArgs(AppConfig):
     config_path: str | None = Field(
         None, description="YAML AppConfig to start from; default: $SHOAL_CONFIG, if set."
     )
+
+    @model_validator(mode="after")
+    def _one_assistants_database(self) -> "AppArgs":
+        return self  # checked on the resolved AppConfig: the file may name the database
 
     def resolve(self) -> AppConfig:
         path = self.config_path or os.environ.get("SHOAL_CONFIG")

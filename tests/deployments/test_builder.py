@@ -90,3 +90,12 @@ def test_every_shipped_config_fits_two_cpus(path):
     and the app never answers."""
     config = AppConfig() if path is None else AppConfig.from_yaml(path)
     assert ray_cpus(build_app(config)) <= 2.0, path
+
+
+def test_several_ingress_replicas_need_one_shared_assistants_database():
+
+    with pytest.raises(ValidationError, match="database_url"):
+        AppConfig.model_validate({"ingress_replicas": 2})
+    shared = {"database_url": "postgresql+psycopg://u@db/shoal"}
+    assert AppConfig.model_validate({"ingress_replicas": 2, "assistants": shared})
+    assert AppConfig.model_validate({"ingress_replicas": 2, "assistants": {"enabled": False}})

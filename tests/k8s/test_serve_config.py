@@ -24,7 +24,10 @@ from tests.k8s.kube import (
 )
 
 # What the shoal-config Secret's config.yaml holds (README: "Deploying on Kubernetes").
-SECRET_CONFIG = {"api_keys": ["k8s-test-key-1", "k8s-test-key-2"]}
+SECRET_CONFIG = {
+    "api_keys": ["k8s-test-key-1", "k8s-test-key-2"],
+    "assistants": {"database_url": "postgresql+psycopg://shoal:pw@postgres:5432/shoal"},
+}
 
 
 def _args_with_secret(tmp_path: Path) -> dict[str, Any]:
