@@ -57,15 +57,6 @@ class Sampling(WithMetadata):
         return self
 
 
-class AssistantCreate(Sampling):
-    model: str
-    name: str | None = Field(None, max_length=256)
-    description: str | None = Field(None, max_length=512)
-    instructions: str | None = Field(None, max_length=256_000)
-    tool_resources: dict | None = None
-    reasoning_effort: str | None = None
-
-
 class AssistantUpdate(Sampling):
     model: str | None = None
     name: str | None = Field(None, max_length=256)
@@ -73,6 +64,10 @@ class AssistantUpdate(Sampling):
     instructions: str | None = Field(None, max_length=256_000)
     tool_resources: dict | None = None
     reasoning_effort: str | None = None
+
+
+class AssistantCreate(AssistantUpdate):
+    model: str
 
 
 class TextPart(Body):

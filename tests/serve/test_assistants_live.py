@@ -12,10 +12,11 @@ import os
 import signal
 import time
 
-import httpx
 import openai
 import pytest
 from ray import serve
+
+from tests.serve.live import wait_healthy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks Assistants so
 MODEL = "smollm2-135m-instruct"
@@ -44,18 +45,6 @@ def build(db_path: str):  # noqa: ANN201
 def start(url: str, db_path: str) -> None:
     serve.run(build(db_path), name=APP, route_prefix=PREFIX, blocking=False)
     wait_healthy(url)
-
-
-def wait_healthy(url: str, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "the app did not become healthy"
-        time.sleep(0.5)
 
 
 def stats() -> dict:

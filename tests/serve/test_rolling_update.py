@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from ray import serve
 
+from tests.serve.live import wait_healthy
+
 MODEL = "smollm2-135m-instruct"
 # Streams slow to a few tokens a second while the new replica starts on two cores: the short
 # stream needs a grace period with room to spare (24 tokens in 5 s failed on CI).
@@ -31,18 +33,6 @@ def config(messages_per_s: float):
             ],
         }
     )
-
-
-def wait_healthy(url: str, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "the app did not become healthy"
-        time.sleep(0.5)
 
 
 def stream(url: str, max_tokens: int, started: threading.Barrier) -> dict:
