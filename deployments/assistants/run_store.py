@@ -149,11 +149,13 @@ class RunStore:
         return await self.db.work(work)
 
     async def end_run(
-        self, run_id: str, run: dict, reply: tuple[str, dict, str, dict] | None
+        self, run_id: str, run: dict, message: dict, step: dict
     ) -> tuple[dict, dict | None, dict | None] | None:
-        """End an active run with `run`'s changes, and its reply: (message id, its
-        changes, step id, its changes); one transaction. None when the run had already
-        ended (cancelled, expired or lapsed meanwhile, or its thread deleted)."""
+        """End an active run with `run`'s changes, and its reply (its message and step
+        still in progress, found by the run's id: also one whose making the run's
+        cancellation interrupted) with theirs; one transaction. The run, message and step
+        as they are then; None when the run had already ended (cancelled, expired or
+        lapsed meanwhile, or its thread deleted)."""
 
         def work(s: Session) -> tuple[dict, dict | None, dict | None] | None:
             ended = s.execute(
@@ -161,12 +163,15 @@ class RunStore:
             )
             if ended.rowcount == 0:
                 return None
-            message = step = None
-            if reply is not None:
-                message_id, message_changes, step_id, step_changes = reply
-                message = _set(s, Message, message_id, message_changes)
-                step = _set(s, RunStep, step_id, step_changes)
-            return find(s, Run, run_id).as_api(), message, step
+            reply = []
+            for model, changes in ((Message, message), (RunStep, step)):
+                row = s.scalar(select(model).filter_by(run_id=run_id, status="in_progress"))
+                if row is not None:
+                    for name, value in changes.items():
+                        setattr(row, name, value)
+                    s.flush()
+                reply.append(None if row is None else row.as_api())
+            return find(s, Run, run_id).as_api(), reply[0], reply[1]
 
         return await self.db.work(work)
 
@@ -224,11 +229,3 @@ class RunStore:
 def _transition(s: Session, run_id: str, allowed: tuple[str, ...], changes: dict) -> dict:
     s.execute(update(Run).where(Run.id == run_id, Run.status.in_(allowed)).values(**changes))
     return find(s, Run, run_id).as_api()
-
-
-def _set(s: Session, model: type, object_id: str, changes: dict) -> dict:
-    row = find(s, model, object_id)
-    for name, value in changes.items():
-        setattr(row, name, value)
-    s.flush()
-    return row.as_api()

@@ -67,7 +67,7 @@ class RunExecutor:
             await asyncio.wait(tasks, timeout=5)
 
     async def _execute(self, run: dict, tag: str, emit: Any) -> None:
-        reply: dict[str, Any] = {"text": "", "message": None, "step": None}
+        reply: dict[str, Any] = {"text": ""}
         watchdog = asyncio.get_running_loop().create_task(self._watch(run))
         try:
             status, fields = await self._generate(run, tag, emit, reply)
@@ -108,7 +108,6 @@ class RunExecutor:
         emit("thread.run.in_progress", begun)
         prompt_ids = await self._prompt(run)
         message, step = await self.runs.start_reply(run)
-        reply["message"], reply["step"] = message, step
         emit("thread.run.step.created", step)
         emit("thread.run.step.in_progress", step)
         emit("thread.message.created", message)
@@ -145,35 +144,27 @@ class RunExecutor:
 
     async def _end(self, run: dict, emit: Any, reply: dict, status: str, fields: dict) -> None:
         """Write the run's end with its message's and step's, and emit their events."""
-        t, message, step = now(), reply["message"], reply["step"]
-        ends = None
-        if message is not None:
-            if status == "completed":
-                message_changes = {"status": "completed", "completed_at": t}
-            else:
-                why = {"cancelled": "run_cancelled", "incomplete": "max_tokens"}
-                reason = why.get(status, "run_failed")
-                message_changes = {
-                    "status": "incomplete",
-                    "incomplete_at": t,
-                    "incomplete_details": {"reason": reason},
-                }
-            message_changes["text"] = reply["text"]
-            step_status = "completed" if status in ("completed", "incomplete") else status
-            step_changes: dict[str, Any] = {"status": step_status}
-            if step_status == "completed":
-                step_changes.update(completed_at=t, usage=fields.get("usage"))
-            elif step_status in ("cancelled", "failed"):
-                step_changes.update(
-                    {f"{step_status}_at": t, "last_error": fields.get("last_error")}
-                )
-            ends = (message["id"], message_changes, step["id"], step_changes)
-        ended = await self.runs.end_run(run["id"], {"status": status, **fields}, ends)
+        t = now()
+        if status == "completed":
+            message = {"status": "completed", "completed_at": t}
+        else:
+            why = {"cancelled": "run_cancelled", "incomplete": "max_tokens"}
+            details = {"reason": why.get(status, "run_failed")}
+            message = {"status": "incomplete", "incomplete_at": t, "incomplete_details": details}
+        message["text"] = reply["text"]
+        step_status = "completed" if status in ("completed", "incomplete") else status
+        step: dict[str, Any] = {"status": step_status}
+        if step_status == "completed":
+            step.update(completed_at=t, usage=fields.get("usage"))
+        elif step_status in ("cancelled", "failed"):
+            step.update({f"{step_status}_at": t, "last_error": fields.get("last_error")})
+        ended = await self.runs.end_run(run["id"], {"status": status, **fields}, message, step)
         if ended is None:
             return  # it had ended already (cancelled, expired, lapsed, its thread deleted)
         run_now, message_now, step_now = ended
         if message_now is not None:
             emit(f"thread.message.{message_now['status']}", message_now)
+        if step_now is not None:
             emit(f"thread.run.step.{step_now['status']}", step_now)
         emit(f"thread.run.{status}", run_now)
 

@@ -27,6 +27,22 @@ def database_url(request, tmp_path_factory):
         yield url
 
 
+async def lifespan_ends(app) -> None:  # noqa: ANN001
+    """The ASGI lifespan as Serve drives it when a replica stops: startup, then shutdown."""
+    import asyncio
+
+    events: asyncio.Queue = asyncio.Queue()
+    for kind in ("startup", "shutdown"):
+        events.put_nowait({"type": f"lifespan.{kind}"})
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, events.get, send)
+    assert sent[-1]["type"] == "lifespan.shutdown.complete", sent
+
+
 def app_on(engine, url: str):  # noqa: ANN001, ANN201
     config = AppConfig.model_validate(
         {
@@ -113,8 +129,8 @@ def test_one_active_run_per_thread_and_transitions_that_never_overwrite(database
         refused = [t for t in tries if isinstance(t, InvalidRequestError)]
         run_id = made[0]["id"]
         begun = await runs.begin_run(run_id)
-        ended = await runs.end_run(run_id, {"status": "completed", "completed_at": 1}, None)
-        again = await runs.end_run(run_id, {"status": "failed"}, None)
+        ended = await runs.end_run(run_id, {"status": "completed", "completed_at": 1}, {}, {})
+        again = await runs.end_run(run_id, {"status": "failed"}, {}, {})
         try:
             await runs.request_cancel(thread["id"], run_id)
             late_cancel = None
@@ -133,3 +149,41 @@ def test_one_active_run_per_thread_and_transitions_that_never_overwrite(database
     assert ended[0]["status"] == "completed" and again is None
     assert late_cancel is not None and "completed" in late_cancel.message
     assert final["status"] == "completed"
+
+
+def test_an_ingress_that_stops_ends_its_runs(smollm2_engine, database_url):
+    """Serve runs the app's shutdown when an ingress replica stops: its runs end as failed
+    at once (not after their lease), and the thread takes a new run."""
+
+    async def stop_mid_run(client, app):  # noqa: ANN001, ANN202
+        import asyncio
+
+        a = await client.beta.assistants.create(model=MODEL, temperature=0)
+        thread = await client.beta.threads.create(
+            messages=[{"role": "user", "content": "Count to one thousand."}]
+        )
+        runs = client.beta.threads.runs
+        r = await runs.create(thread_id=thread.id, assistant_id=a.id, max_completion_tokens=2000)
+        while (await client.beta.threads.messages.list(thread.id, limit=1)).data[
+            0
+        ].role != "assistant":
+            await asyncio.sleep(0.05)  # the reply has begun
+        await lifespan_ends(app)
+        return a, thread, r
+
+    with app_on(smollm2_engine, database_url) as (app, _):
+        a, thread, r = with_client(app, lambda client: stop_mid_run(client, app))
+
+    async def after(client):  # noqa: ANN001, ANN202
+        ended = await client.beta.threads.runs.retrieve(r.id, thread_id=thread.id)
+        messages = await client.beta.threads.messages.list(thread.id)
+        again = await client.beta.threads.runs.create_and_poll(
+            thread_id=thread.id, assistant_id=a.id, max_completion_tokens=4
+        )
+        return ended, messages, again
+
+    with app_on(smollm2_engine, database_url) as (app, _):
+        ended, messages, again = with_client(app, after)
+    assert ended.status == "failed" and "stopped" in ended.last_error.message
+    assert messages.data[0].role == "assistant" and messages.data[0].status == "incomplete"
+    assert again.status in ("completed", "incomplete")
