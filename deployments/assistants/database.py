@@ -139,11 +139,13 @@ async def once(
 ) -> tuple[dict, bool]:
     """`create(session)` once per (scope, Idempotency-Key): a retry gets the first object
     as it is now, also when the two race (the unique key decides); and whether it was
-    made now. Keys are forgotten after a day."""
-    if key is None:
-        return await db.work(create), True
+    made now. Keys are forgotten after a day. A unique index that a concurrent request
+    won (the same key, or one active run per thread) is retried once: then `create`
+    sees the winner."""
 
     def work(s: Session) -> tuple[dict, bool]:
+        if key is None:
+            return create(s), True
         seen = s.scalar(select(IdempotencyKey).filter_by(scope=scope, key=key))
         if seen is not None:
             return find(s, model, seen.object_id).as_api(), False
@@ -155,5 +157,5 @@ async def once(
 
     try:
         return await db.work(work)
-    except IntegrityError:  # the same key, committed by a concurrent request
+    except IntegrityError:
         return await db.work(work)

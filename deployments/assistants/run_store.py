@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError
@@ -51,10 +50,7 @@ class RunStore:
             s.flush()
             return row.as_api()
 
-        try:
-            return await once(self.db, key, f"runs:{thread_id}", Run, work)
-        except IntegrityError:  # the other run won the one-active-run index: now it shows
-            return await once(self.db, key, f"runs:{thread_id}", Run, work)
+        return await once(self.db, key, f"runs:{thread_id}", Run, work)
 
     async def get_run(self, thread_id: str, run_id: str) -> dict:
         def work(s: Session) -> dict:

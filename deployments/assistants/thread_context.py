@@ -41,6 +41,7 @@ async def generate_in_thread(
     prompt's tokens the context already held (0: rebuilt)."""
     cid = context_id(thread_id)
     held = await held_tokens(ingress, model, cid)
+    stale = held is not None  # a copy that the rebuild must drop first
     if held is not None and _extends(prompt_ids, held):
         op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=len(held))
         try:
@@ -49,7 +50,7 @@ async def generate_in_thread(
         except ShoalError as exc:  # lost or changed since the read (410): rebuild
             if not _gone(exc):
                 raise
-            why = exc.message
+            why = exc.message  # the refused append may have left a dropped one's mark
     else:
         why = _why_rebuilt(held)
     logger.info(
@@ -58,13 +59,16 @@ async def generate_in_thread(
     op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=0)
     for attempt in range(2):
         # Whatever is there goes first: a stale copy, or the mark of a dropped one (which
-        # would answer the new context's first call with a 410).
-        await free(ingress, model, thread_id)
+        # would answer the new context's first call with a 410). A first run has neither:
+        # its read found nothing (and a read takes a dropped one's mark away).
+        if stale:
+            await free(ingress, model, thread_id)
         try:
             return await _generate(ingress, model, prompt_ids, params, tag, op, prompt_ids), 0
         except ShoalError as exc:
             if not _gone(exc) or attempt == 1:
                 raise
+            stale = True
     raise AssertionError("unreachable")
 
 
