@@ -10,6 +10,8 @@ from deployments.config import AppArgs, AppConfig, ModelDeploymentConfig
 from deployments.embeddings import EmbedderDeployment
 from deployments.ingress_app import IngressDeployment
 from deployments.model_server import ModelServerDeployment
+from deployments.operator.operator import OperatorDeployment
+from deployments.operator.serve_deployer import model_deployment_name
 from deployments.registry import RegistryDeployment
 from deployments.tokenizer import TokenizerDeployment
 
@@ -22,31 +24,18 @@ def build_app(config: AppConfig) -> Application:
         max_ongoing_requests=config.tokenizer_max_ongoing_requests,
         ray_actor_options={"num_cpus": config.tokenizer_num_cpus},
     ).bind(config.models)
-    models = {}
-    for m in config.models:
-        models[m.name] = ModelServerDeployment.options(
-            name=f"ModelServer:{m.name}",
-            **replica_count(m),
-            max_ongoing_requests=m.max_ongoing_requests,
-            max_queued_requests=m.max_queued_requests,
-            graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
-            # A drained replica exits within half a second rather than Serve's 2 s loop.
-            graceful_shutdown_wait_loop_s=0.5,
-            request_router_config=RequestRouterConfig(
-                request_router_class=AffinityRouter,
-                request_router_kwargs={
-                    "routing": m.routing.model_dump(),
-                    "block_size": m.engine.block_size,
-                },
-            ),
-            **replica_resources(m),
-        ).bind(m, registry)
+    models = {m.name: model_deployment(m, registry) for m in config.models}
     embedder = None
     if config.embeddings.enabled:
         embedder = EmbedderDeployment.options(
             max_ongoing_requests=config.embeddings.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.embeddings.num_cpus},
         ).bind(config.embeddings)
+    operator = None
+    if config.operator.enabled:
+        operator = OperatorDeployment.options(
+            ray_actor_options={"num_cpus": config.tokenizer_num_cpus / 4}
+        ).bind(config, registry)
     return IngressDeployment.options(
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.ingress_max_ongoing_requests,
@@ -54,7 +43,29 @@ def build_app(config: AppConfig) -> Application:
         # slowest model's replicas give theirs.
         graceful_shutdown_timeout_s=5 + max(m.graceful_shutdown_timeout_s for m in config.models),
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
-    ).bind(config, tokenizer, models, embedder, registry)
+    ).bind(config, tokenizer, models, embedder, registry, operator)
+
+
+def model_deployment(m: ModelDeploymentConfig, registry: Any) -> Application:
+    """One model's replicas; `registry` is the EngineRegistry (bound, or a handle to it
+    when the model is started at run time by the operator)."""
+    return ModelServerDeployment.options(
+        name=model_deployment_name(m.name),
+        **replica_count(m),
+        max_ongoing_requests=m.max_ongoing_requests,
+        max_queued_requests=m.max_queued_requests,
+        graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
+        # A drained replica exits within half a second rather than Serve's 2 s loop.
+        graceful_shutdown_wait_loop_s=0.5,
+        request_router_config=RequestRouterConfig(
+            request_router_class=AffinityRouter,
+            request_router_kwargs={
+                "routing": m.routing.model_dump(),
+                "block_size": m.engine.block_size,
+            },
+        ),
+        **replica_resources(m),
+    ).bind(m, registry)
 
 
 def replica_count(m: ModelDeploymentConfig) -> dict[str, Any]:

@@ -152,12 +152,65 @@ class AssistantsConfig(BaseModel):
         return f"sqlite:///{path}"
 
 
+DEFAULT_MODELS_DIR = "~/.shoal/models"
+# Where the Hugging Face Hub sends its file downloads (LFS and Xet storage).
+HUB_STORAGE_HOSTS = (
+    "cdn-lfs.huggingface.co",
+    "cdn-lfs.hf.co",
+    "cdn-lfs-us-1.hf.co",
+    "cdn-lfs-eu-1.hf.co",
+    "cas-bridge.xethub.hf.co",
+)
+
+
+class OperatorConfig(BaseModel):
+    """The operator API (/api/models, /api/downloads, /api/inference, /api/hardware, the
+    WebSocket and the page): models downloaded and started at run time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    models_dir: str = Field(
+        default_factory=lambda: os.environ.get("SHOAL_MODELS_DIR", DEFAULT_MODELS_DIR),
+        description="Where downloads go (default: $SHOAL_MODELS_DIR, else ~/.shoal/models).",
+    )
+    hub_endpoint: str = Field(
+        default_factory=lambda: os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
+        description="The Hugging Face Hub (or a mirror) downloads come from (default: "
+        "$HF_ENDPOINT, else huggingface.co). Downloads reach no other host but storage_hosts.",
+    )
+    hub_token: str | None = Field(None, description="A Hub token, for gated or private repos.")
+    storage_hosts: list[str] = Field(
+        default_factory=lambda: list(HUB_STORAGE_HOSTS),
+        description="Hosts the hub may redirect a download to (its file storage).",
+    )
+    private_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts allowed to resolve to private, loopback or link-local addresses (a "
+        "hub mirror inside the cluster). Every other target on such an address is refused.",
+    )
+    max_download_bytes: int = Field(
+        64 << 30, ge=1, description="A repo or file larger than this is refused (413)."
+    )
+    max_concurrent_downloads: int = Field(2, ge=1)
+    model_num_cpus: float = Field(
+        1.0, gt=0, description="Ray CPUs for each replica of a model started at run time."
+    )
+    model_start_timeout_s: float = Field(
+        900.0, gt=0, description="A model started at run time that is not serving by then fails."
+    )
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="How long /api/shutdown waits for open requests to finish."
+    )
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     models: list[ModelDeploymentConfig] = Field(default_factory=lambda: [ModelDeploymentConfig()])
     embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
     assistants: AssistantsConfig = Field(default_factory=AssistantsConfig)
+    operator: OperatorConfig = Field(default_factory=OperatorConfig)
     tokenizer_num_cpus: float = Field(0.25, gt=0)
     ingress_num_cpus: float = Field(0.25, gt=0)
     ingress_replicas: int = Field(1, ge=1)

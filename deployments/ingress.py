@@ -7,6 +7,7 @@ state, so a route can run in-process over local deployments (tests) as well as i
 Serve replica (deployments/ingress_app.py). No model work happens here.
 """
 
+import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from app.protocol.sampling import SamplingParams
 from deployments.config import AppConfig, ModelDeploymentConfig
 from deployments.generation import Generation, overloaded
 from deployments.metrics import IngressMetrics, TokenTimer
+from deployments.request_guard import Admission
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,13 +50,19 @@ class Ingress:
         models: dict[str, Any],
         embedder: Any = None,
         registry: Any = None,
+        operator: Any = None,
     ) -> None:
-        """`tokenizer`, `models` (name -> ModelServer handle), `embedder` and `registry`
-        are Serve deployment handles (or objects with their call surface)."""
+        """`tokenizer`, `models` (name -> ModelServer handle), `embedder`, `registry` and
+        `operator` are Serve deployment handles (or objects with their call surface)."""
         self.config = config
         self.tokenizer = tokenizer
         self.embedder = embedder
         self.registry = registry
+        self.operator = operator
+        # Models the operator started at run time (deployments/operator), by alias.
+        self.runtime_models: dict[str, ModelDeploymentConfig] = {}
+        # Closed once the operator drains the app: every new request is refused (503).
+        self.admission = Admission()
         # Configured once and cached: per-request .options() is slow.
         self._streams = {name: h.options(stream=True) for name, h in models.items()}
         self._calls = models
@@ -66,9 +74,16 @@ class Ingress:
         self.metrics = IngressMetrics()
 
     # ---- models -------------------------------------------------------------------
+    def find_model(self, name: str) -> ModelDeploymentConfig | None:
+        return self.config.model(name) or self.runtime_models.get(name)
+
+    def served_models(self) -> list[ModelDeploymentConfig]:
+        """The configured models, then those started at run time."""
+        return [*self.config.models, *self.runtime_models.values()]
+
     def model(self, name: str) -> ModelDeploymentConfig:
         """A served generative model's config; UnknownModelError (404) otherwise."""
-        config = self.config.model(name)
+        config = self.find_model(name)
         if config is None:
             raise UnknownModelError(f"The model '{name}' does not exist", param="model")
         return config
@@ -76,6 +91,22 @@ class Ingress:
     def default_model(self, name: str | None) -> str:
         """`name` when it is served; the first configured model when None."""
         return self.config.models[0].name if name is None else self.model(name).name
+
+    async def add_model(self, config: ModelDeploymentConfig, handle: Any) -> None:
+        """Serve a model started at run time (its tokenizer is loaded first, off the loop)."""
+        source = await asyncio.to_thread(resolve_model, config.engine.model)
+        self.tokenizers[config.name] = await asyncio.to_thread(load_tokenizer, source)
+        self._calls[config.name] = handle
+        self._streams[config.name] = handle.options(stream=True)
+        self._info.pop(config.name, None)
+        self.runtime_models[config.name] = config
+
+    def remove_model(self, name: str) -> None:
+        """Stop routing to a run-time model; streams already open keep their handle."""
+        self.runtime_models.pop(name, None)
+        self._calls.pop(name, None)
+        self._streams.pop(name, None)
+        self._info.pop(name, None)
 
     def embedding_models(self) -> list[str]:
         return [self.config.embeddings.name] if self.embedder is not None else []
@@ -131,10 +162,12 @@ class Ingress:
             return []
 
     async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.tokenizer.encode.remote(model, text, add_special_tokens)
+        source = self.model(model).engine.model
+        return await self.tokenizer.encode.remote(model, text, add_special_tokens, source)
 
     async def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
-        return await self.tokenizer.encode_chat.remote(model, messages)
+        source = self.model(model).engine.model
+        return await self.tokenizer.encode_chat.remote(model, messages, source)
 
 
 def ingress_of(request: Request) -> Ingress:

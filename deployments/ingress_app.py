@@ -51,7 +51,9 @@ def create_app(ingress: Ingress) -> FastAPI:
             1000 * seconds,
         )
 
-    app.add_middleware(RequestGuard, config=ingress.config, observe=observe)
+    app.add_middleware(
+        RequestGuard, config=ingress.config, observe=observe, admission=ingress.admission
+    )
     if ingress.config.cors_origins:  # outermost: preflights and 401s carry CORS headers
         app.add_middleware(
             CORSMiddleware,
@@ -86,8 +88,9 @@ class ServeIngress(Ingress):
         models: dict[str, Any],
         embedder: Any,
         registry: Any = None,
+        operator: Any = None,
     ) -> None:
-        super().__init__(config, tokenizer, models, embedder, registry)
+        super().__init__(config, tokenizer, models, embedder, registry, operator)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self)

@@ -11,6 +11,10 @@ disconnects and a deadline, the same for every route and whatever the client ask
   is aborted at every hop. Serve's proxy does that, unless the client sent
   `x-request-disconnect-disabled: ?1`; then this layer watches the client's receive
   channel itself (only then: each watch costs a call to the proxy).
+- **Drain.** Once the operator drains the app (`Admission.draining`), every new request gets 503;
+  the open ones go on, and `Admission.open` counts them so the drain knows when they are done.
+- **WebSockets** need the key too: in the Authorization header, or as `?api_key=` since
+  a browser cannot set headers on a WebSocket.
 - **Deadline.** A request still running after `request_timeout_s` is cancelled: a 408 if
   nothing was sent yet, else its body is ended. A client's `x-request-timeout-seconds`
   can shorten Serve's own timeout but never lift this one.
@@ -23,7 +27,9 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 from app.protocol.errors import RemoteError
 from deployments.config import AppConfig
@@ -42,6 +48,14 @@ PUBLIC_PATHS = ("/health",)
 DISCONNECT_OPT_OUT = b"x-request-disconnect-disabled"
 
 
+@dataclass
+class Admission:
+    """Whether the ingress takes new requests, and how many it has open (HTTP only)."""
+
+    draining: bool = False
+    open: int = 0
+
+
 def error_body(path: str, status: int, message: str, code: str) -> bytes:
     refusal = RemoteError(status, "", message, None)
     refusal.code = code
@@ -49,8 +63,15 @@ def error_body(path: str, status: int, message: str, code: str) -> bytes:
 
 
 class RequestGuard:
-    def __init__(self, app: Any, config: AppConfig, observe: Observer | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        config: AppConfig,
+        observe: Observer | None = None,
+        admission: "Admission | None" = None,
+    ) -> None:
         self.app = app
+        self.admission = admission or Admission()
         self.keys = [k.encode() for k in config.api_keys]
         self.max_bytes = config.max_request_bytes
         self.timeout_s = config.request_timeout_s
@@ -58,10 +79,20 @@ class RequestGuard:
         self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refused = not self._authenticated(scope) or self.admission.draining
+        if scope["type"] == "websocket" and refused:
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.admission.draining:
+            path = relative_path(scope)
+            message = "the server is shutting down"
+            await _reply(send, 503, error_body(path, 503, message, "shutting_down"))
+            return
         started = time.perf_counter()
+        self.admission.open += 1
         status = {"code": 0}
 
         async def observed_send(message: Message) -> None:
@@ -75,6 +106,7 @@ class RequestGuard:
             status["code"] = status["code"] or 500  # Starlette's outer layer answers it
             raise
         finally:
+            self.admission.open -= 1
             if self.observe is not None:
                 with contextlib.suppress(Exception):
                     self.observe(scope, status["code"], time.perf_counter() - started)
@@ -170,6 +202,9 @@ class RequestGuard:
             return True
         auth = (_header(scope, b"authorization") or "").strip()
         token = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+        if not token and scope["type"] == "websocket":
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            token = (query.get("api_key") or [""])[0].encode()
         return any(hmac.compare_digest(token, k) for k in self.keys)
 
     async def _too_large(self, send: Send, path: str) -> None:

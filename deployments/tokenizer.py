@@ -13,12 +13,31 @@ from deployments.config import ModelDeploymentConfig
 class Tokenizer:
     def __init__(self, models: list[ModelDeploymentConfig]) -> None:
         self.tokenizers = {m.name: load_tokenizer(resolve_model(m.engine.model)) for m in models}
+        self.runtime: dict[str, Any] = {}
 
-    def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizers[model](text, add_special_tokens=add_special_tokens).input_ids)
+    def _get(self, model: str, source: str | None) -> Any:
+        """A configured model's tokenizer, or, for a model started at run time, the one
+        at `source` (loaded on first use)."""
+        if model in self.tokenizers:
+            return self.tokenizers[model]
+        if source is None:
+            raise InvalidRequestError(f"unknown model {model!r}", param="model")
+        # By source too: an alias stopped and started again may name other weights.
+        key = f"{model}@{source}"
+        if key not in self.runtime:
+            self.runtime[key] = load_tokenizer(resolve_model(source))
+        return self.runtime[key]
 
-    def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
-        tokenizer = self.tokenizers[model]
+    def encode(
+        self, model: str, text: str, add_special_tokens: bool = True, source: str | None = None
+    ) -> list[int]:
+        tokenizer = self._get(model, source)
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def encode_chat(
+        self, model: str, messages: list[dict[str, Any]], source: str | None = None
+    ) -> list[int]:
+        tokenizer = self._get(model, source)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
         try:

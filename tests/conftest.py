@@ -8,9 +8,9 @@ from tests.helpers import save_tiny_checkpoint
 
 # Apps that name no Assistants database keep theirs in this run's own directory, never in
 # the user's home (AppConfig reads this when it is made).
-os.environ.setdefault(
-    "SHOAL_ASSISTANTS_DB", str(Path(tempfile.mkdtemp(prefix="shoal-tests-")) / "assistants.sqlite3")
-)
+_STATE = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
+os.environ.setdefault("SHOAL_ASSISTANTS_DB", str(_STATE / "assistants.sqlite3"))
+os.environ.setdefault("SHOAL_MODELS_DIR", str(_STATE / "models"))  # the operator's downloads
 
 
 @pytest.fixture(scope="session")

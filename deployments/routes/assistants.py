@@ -110,7 +110,7 @@ async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep) -
     deleted, active = await a.store.delete_thread(thread_id)
     for run_id in active:  # ended as cancelled in the database: stop their work here
         a.runs.stop(run_id)
-    for model in ingress.config.models:  # its context, wherever a run left one
+    for model in ingress.served_models():  # its context, wherever a run left one
         try:
             await free(ingress, model.name, thread_id)
         except ShoalError as exc:  # deleted all the same: an idle context ages out

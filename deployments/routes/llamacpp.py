@@ -277,7 +277,7 @@ async def _slot_counts(ingress: Ingress) -> tuple[int, int, list[str]]:
     engines = await ingress.engines()
     idle = busy = 0
     missing = []
-    for model in ingress.config.models:
+    for model in ingress.served_models():
         live = [e for e in engines if e["engine_name"] == model.name and e["runtime_info"]]
         if not live:
             missing.append(model.name)
@@ -291,7 +291,7 @@ async def _slot_counts(ingress: Ingress) -> tuple[int, int, list[str]]:
 
 async def _all_slots(ingress: Ingress) -> list[dict]:
     out = []
-    for m in ingress.config.models:
+    for m in ingress.served_models():
         try:
             out += [slot_json(s) for s in await ingress.call(m.name, "slots")]
         except Exception as exc:  # the replica is down or starting

@@ -168,17 +168,17 @@ def _model_name(ingress: Ingress, name: str, action: str = "generate") -> str:
     base = name.removesuffix(":latest")
     if base in ingress.embedding_models():
         raise InvalidRequestError(f'"{name}" does not support {action}', param="model")
-    if ingress.config.model(base) is None:
+    if ingress.find_model(base) is None:
         raise NotFoundError(f"model '{name}' not found", param="model")
     return base
 
 
 def _all_models(ingress: Ingress) -> list[str]:
-    return [m.name for m in ingress.config.models] + ingress.embedding_models()
+    return [m.name for m in ingress.served_models()] + ingress.embedding_models()
 
 
 def _entry(ingress: Ingress, name: str) -> dict:
-    cfg = ingress.config.model(name)
+    cfg = ingress.find_model(name)
     if cfg is None:  # the embedding model
         family, fmt, level = "bert", "safetensors", "F32"
     else:
@@ -263,7 +263,7 @@ async def _respond(
 async def _embed(ingress: Ingress, model: str, texts: list[str]) -> tuple[list, int]:
     name = model.removesuffix(":latest")
     if name not in ingress.embedding_models():
-        if ingress.config.model(name) is not None:
+        if ingress.find_model(name) is not None:
             served = ", ".join(ingress.embedding_models()) or "none"
             raise InvalidRequestError(
                 f"model '{model}' generates text and cannot embed; embedding models: {served}",

@@ -31,7 +31,7 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ingress: IngressDep) -> dict:
-    return {"object": "list", "data": [_card(ingress, m.name) for m in ingress.config.models]}
+    return {"object": "list", "data": [_card(ingress, m.name) for m in ingress.served_models()]}
 
 
 @router.get("/v1/models/{model_id:path}")

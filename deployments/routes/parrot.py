@@ -76,7 +76,7 @@ async def engines(ingress: IngressDep) -> dict:
 async def ping_engine(ingress: IngressDep) -> dict:
     """Pong, with the models that have a replica answering now."""
     answering = []
-    for m in ingress.config.models:
+    for m in ingress.served_models():
         try:
             await ingress.call(m.name, "info")  # a round trip to one of its replicas
             answering.append(m.name)

@@ -1,0 +1,130 @@
+"""The ingress's side of the operator: one task per ingress replica that follows the
+operator's event log (a long poll) and
+
+- serves the aliases the operator starts and stops (`inference_status` events),
+- stops taking requests when the operator drains the app, and reports how many are still
+  open until they are none,
+- hands every event to this replica's WebSocket clients (Broadcaster).
+
+A client whose queue is full is dropped (closed with 1013, "try again later") rather than
+buffered without bound: one slow page never holds the server's memory.
+"""
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from ray import serve
+
+from deployments.config import ModelDeploymentConfig
+from deployments.ingress import Ingress
+from deployments.operator.serve_deployer import model_deployment_name
+
+logger = logging.getLogger("ray.serve")
+CLIENT_QUEUE = 256  # events a WebSocket client may fall behind by before it is dropped
+POLL_S = 10.0
+REPORT_EVERY_S = 0.25
+
+
+class Client:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(CLIENT_QUEUE)
+        self.dropped = asyncio.Event()
+
+
+class Broadcaster:
+    def __init__(self) -> None:
+        self.clients: set[Client] = set()
+
+    def join(self) -> Client:
+        client = Client()
+        self.clients.add(client)
+        return client
+
+    def leave(self, client: Client) -> None:
+        self.clients.discard(client)
+
+    def send(self, event: dict[str, Any]) -> None:
+        for client in list(self.clients):
+            try:
+                client.queue.put_nowait(event)
+            except asyncio.QueueFull:
+                logger.warning("websocket client too slow: dropped")
+                client.dropped.set()
+                self.leave(client)
+
+
+class EventFollower:
+    def __init__(self, ingress: Ingress, broadcaster: Broadcaster) -> None:
+        self.ingress = ingress
+        self.operator = ingress.operator
+        self.broadcaster = broadcaster
+        self.replica = _replica_id()
+        self._reporter: asyncio.Task | None = None
+
+    async def run(self) -> None:
+        seq, first = 0, True
+        while True:
+            try:
+                # The first call returns at once: where the log is now, not replayed.
+                batch = await self.operator.events_since.remote(seq, 0.0 if first else POLL_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the operator restarting: try again shortly
+                logger.warning("operator events unavailable: %r", exc)
+                await asyncio.sleep(1.0)
+                continue
+            events = batch["events"]
+            if first or batch["lost"] or any(e["event"] == "inference_status" for e in events):
+                await self._sync_models()
+            for event in events:
+                if event["event"] == "status" and event["data"].get("state") == "draining":
+                    self._drain()
+                if not first:  # a new follower does not replay the log to its clients
+                    self.broadcaster.send(event)
+            seq, first = batch["seq"], False
+
+    async def _sync_models(self) -> None:
+        try:
+            running = await self.operator.running.remote()
+        except Exception as exc:
+            logger.warning("operator models unavailable: %r", exc)
+            return
+        for alias in list(self.ingress.runtime_models):
+            if alias not in running:
+                self.ingress.remove_model(alias)
+        for alias, entry in running.items():
+            if alias in self.ingress.runtime_models:
+                continue
+            config = ModelDeploymentConfig.model_validate(entry["config"])
+            handle = serve.get_deployment_handle(model_deployment_name(alias), entry["app"])
+            try:
+                await self.ingress.add_model(config, handle)
+                logger.info("serving %s (started at run time)", alias)
+            except Exception as exc:
+                logger.warning("cannot serve %s: %r", alias, exc)
+
+    def _drain(self) -> None:
+        self.ingress.admission.draining = True
+        if self._reporter is None:
+            self._reporter = asyncio.get_running_loop().create_task(self._report())
+
+    async def _report(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.operator.report_inflight.remote(
+                    self.replica, self.ingress.admission.open
+                )
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    def stop(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # in-process tests
+        return "local"

@@ -1,0 +1,147 @@
+"""The Hugging Face Hub (or a mirror of it) as the operator sees it: which files a repo
+has at which commit, and one file fetched into a local directory, resumably.
+
+Everything goes through huggingface_hub (its API client for the listing, its URL rules,
+its `http_get` for the bytes) over one guarded HTTP client (url_guard.py). huggingface_hub
+keeps one client per process, so `Hub` installs its client factory: in a Serve replica
+that process is the operator's own.
+"""
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import httpx2
+import huggingface_hub
+from huggingface_hub import HfApi, constants, file_download, hf_hub_url
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+)
+from tqdm import tqdm
+
+from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
+from deployments.operator.url_guard import HostPolicy, guarded_client
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+PART_SUFFIX = ".part"  # a file being fetched; its size is where a resume starts
+
+
+class HubError(ShoalError):
+    status_code = 502
+    error_type = "bad_gateway"
+
+
+class DownloadCancelled(Exception):
+    """Raised from a fetch's progress callback to stop it (the partial file stays)."""
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str  # inside the repo
+    size: int
+
+
+@dataclass(frozen=True)
+class RepoFiles:
+    commit: str  # every file is fetched at this commit, so a resume never mixes two
+    files: list[RemoteFile]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def check_repo(repo: str) -> str:
+    if not REPO_ID.match(repo) or ".." in repo:
+        raise InvalidRequestError(f"modelRepo {repo!r} is not a repo id (owner/name)", "modelRepo")
+    return repo
+
+
+def check_file_path(path: str) -> str:
+    """A relative path inside the repo: never absolute, never climbing out of it."""
+    pure = PurePosixPath(path)
+    if not path or "\\" in path or "\0" in path or pure.is_absolute() or ".." in pure.parts:
+        raise InvalidRequestError(f"filePath {path!r} is not a path inside the repo", "filePath")
+    return str(pure)
+
+
+class Hub:
+    def __init__(self, endpoint: str, token: str | None, policy: HostPolicy) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.token = token or False  # False: never a token from the environment or disk
+        # Xet storage downloads through its own Rust client, past this guard: plain HTTP only.
+        constants.HF_HUB_DISABLE_XET = True
+        os.environ["HF_HUB_DISABLE_XET"] = "1"
+        huggingface_hub.set_client_factory(lambda: guarded_client(policy))
+        self.api = HfApi(endpoint=self.endpoint, token=self.token)
+
+    def files(self, repo: str, file_path: str | None) -> RepoFiles:
+        """The repo's files at its head commit (only `file_path`, when given)."""
+        try:
+            info = self.api.model_info(repo, files_metadata=True)
+        except (RepositoryNotFoundError, GatedRepoError) as exc:
+            raise NotFoundError(f"repo {repo!r} not found on {self.endpoint}", "modelRepo") from exc
+        except HfHubHTTPError as exc:
+            status = exc.response.status_code if exc.response is not None else 0
+            if status in (401, 403, 404):
+                message = f"repo {repo!r} not found on {self.endpoint}"
+                raise NotFoundError(message, "modelRepo") from None
+            raise HubError(f"the hub answered {status or exc}") from None
+        except httpx2.TransportError as exc:
+            raise HubError(f"cannot reach {self.endpoint}: {exc}") from None
+        files = [RemoteFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
+        if file_path is not None:
+            files = [f for f in files if f.path == file_path]
+            if not files:
+                raise NotFoundError(f"{repo!r} has no file {file_path!r}", "filePath")
+        return RepoFiles(str(info.sha), files)
+
+    def fetch(
+        self, repo: str, commit: str, file: RemoteFile, into: Path, on_bytes: Callable[[int], None]
+    ) -> Path:
+        """`file` at `commit` into `into/<path>`, resuming a `.part` left by an earlier
+        try. `on_bytes(n)` hears every chunk and may raise DownloadCancelled."""
+        target = into / file.path
+        if target.is_file() and target.stat().st_size == file.size:
+            return target
+        part = target.with_name(target.name + PART_SUFFIX)
+        part.parent.mkdir(parents=True, exist_ok=True)
+        done = part.stat().st_size if part.exists() else 0
+        if done > file.size:  # not ours to trust: start again
+            part.unlink()
+            done = 0
+        url = hf_hub_url(repo, file.path, revision=commit, endpoint=self.endpoint)
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            with part.open("ab") as out:
+                file_download.http_get(
+                    url,
+                    out,
+                    resume_size=done,
+                    headers=headers,
+                    expected_size=file.size,
+                    tqdm_class=_progress_class(on_bytes),
+                )
+        except EntryNotFoundError as exc:
+            raise NotFoundError(f"{repo!r} has no file {file.path!r}", "filePath") from exc
+        part.replace(target)
+        return target
+
+
+def _progress_class(on_bytes: Callable[[int], None]) -> type[tqdm]:
+    class Progress(tqdm):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["disable"] = True  # no bar in the server log
+            kwargs.pop("name", None)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            on_bytes(int(n or 0))
+            return super().update(n)
+
+    return Progress

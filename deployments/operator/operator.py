@@ -1,0 +1,199 @@
+"""Operator: the one Serve deployment (one replica) that holds the operator API's state
+for every ingress replica: the download list, the aliases started at run time, the event
+log the WebSockets follow, and the drain that ends the application.
+
+It starts its work (resuming downloads, timing metrics) on the first call, which is an
+ingress following its events, since a Serve constructor cannot await.
+"""
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from app.protocol.errors import OverloadedError
+from deployments.assistants.database import Database
+from deployments.config import AppConfig
+from deployments.operator.catalog import catalog
+from deployments.operator.download_store import DownloadStore
+from deployments.operator.downloads import DownloadManager
+from deployments.operator.events import EventLog
+from deployments.operator.hardware import cluster_hardware
+from deployments.operator.hub import Hub
+from deployments.operator.inference import Deployer, InferenceManager
+from deployments.operator.serve_deployer import ServeDeployer
+from deployments.operator.url_guard import HostPolicy
+
+logger = logging.getLogger("ray.serve")
+METRICS_EVERY_S = 2.0
+HARDWARE_KEPT_S = 5.0
+
+
+def _app_name() -> str:
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # not in a Serve replica (in-process tests)
+        return "local"
+
+
+class Operator:
+    def __init__(self, config: AppConfig, registry: Any = None, deployer: Deployer | None = None):
+        self.config = config
+        self.registry = registry
+        self.app_name = _app_name()
+        self.events = EventLog()
+        self.deployer = deployer or ServeDeployer(self.app_name, registry)
+        op = config.operator
+        policy = HostPolicy.for_hub(op.hub_endpoint, op.storage_hosts, op.private_hosts)
+        self.downloads = DownloadManager(
+            Hub(op.hub_endpoint, op.hub_token, policy),
+            DownloadStore(Database(config.assistants.url())),
+            Path(op.models_dir).expanduser(),
+            op.max_download_bytes,
+            op.max_concurrent_downloads,
+            publish=lambda item: self.events.publish("download_status", item),
+        )
+        self.inference = InferenceManager(
+            config,
+            self.deployer,
+            self.downloads.location,
+            publish=lambda item: self.events.publish("inference_status", item),
+        )
+        self.draining = False
+        self.inflight: dict[str, int] = {}  # ingress replica -> requests open, while draining
+        self._started: asyncio.Task | None = None
+        self._hardware: tuple[float, dict] = (0.0, {})
+
+    async def _start(self) -> None:
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self.downloads.start())
+            asyncio.get_running_loop().create_task(self._metrics())
+        await asyncio.shield(self._started)
+
+    # ---- events -------------------------------------------------------------------------
+    async def events_since(self, seq: int, timeout_s: float = 10.0) -> dict[str, Any]:
+        await self._start()
+        return await self.events.since(seq, timeout_s)
+
+    async def _metrics(self) -> None:
+        """A `metrics` event per model every METRICS_EVERY_S, from the replicas' heartbeats."""
+        while True:
+            await asyncio.sleep(METRICS_EVERY_S)
+            try:
+                engines = await self.registry.list.remote() if self.registry else []
+            except Exception as exc:
+                logger.warning("operator: no engine registry: %r", exc)
+                continue
+            by_model: dict[str, list[dict]] = {}
+            for e in engines:
+                by_model.setdefault(e["engine_name"], []).append(e["runtime_info"])
+            for alias, infos in by_model.items():
+                self.events.publish("metrics", _timings(alias, infos))
+
+    # ---- downloads, inference, catalog ----------------------------------------------------
+    async def call(self, method: str, *args: Any) -> Any:
+        """One of the managers' API methods, by name (`downloads.enqueue`, ...)."""
+        await self._start()
+        if self.draining and method.split(".")[1] in ("enqueue", "start"):
+            raise OverloadedError("the server is shutting down")
+        owner, name = method.split(".")
+        manager = {"downloads": self.downloads, "inference": self.inference}[owner]
+        result = getattr(manager, name)(*args)
+        return await result if asyncio.iscoroutine(result) else result
+
+    def running(self) -> dict[str, dict[str, Any]]:
+        """alias -> {"config": ModelDeploymentConfig dict, "app": its Serve application}."""
+        return {
+            alias: {"config": cfg, "app": self.deployer.app_for(alias)}
+            for alias, cfg in self.inference.running().items()
+        }
+
+    async def hardware(self) -> dict[str, Any]:
+        at, reading = self._hardware
+        if time.monotonic() - at > HARDWARE_KEPT_S:
+            reading = await cluster_hardware()
+            self._hardware = (time.monotonic(), reading)
+        return reading
+
+    async def models(self) -> list[dict[str, Any]]:
+        await self._start()
+        running = {
+            i["alias"]: i["modelRepo"] for i in self.inference.list() if i["status"] == "inferring"
+        }
+        hardware = await self.hardware()
+        return await asyncio.to_thread(
+            catalog, self.config, self.downloads.list(), running, hardware
+        )
+
+    # ---- drain --------------------------------------------------------------------------
+    async def drain(self, reason: str = "api") -> dict[str, Any]:
+        """Start the drain (once): every ingress refuses new requests, the open ones finish
+        (up to drain_timeout_s), then this app and its aliases are deleted, and Serve shut
+        down when no other application is left on it."""
+        await self._start()
+        if not self.draining:
+            self.draining = True
+            logger.info("operator: draining (%s)", reason)
+            self.events.publish("status", {"state": "draining", "reason": reason})
+            asyncio.get_running_loop().create_task(self._drain())
+        return {"status": "draining"}
+
+    def report_inflight(self, replica: str, count: int) -> bool:
+        self.inflight[replica] = count
+        return self.draining
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.operator.drain_timeout_s
+        self.inflight.clear()
+        while time.monotonic() < deadline:
+            reported = len(self.inflight) >= self.config.ingress_replicas
+            if reported and not any(self.inflight.values()):
+                break
+            await asyncio.sleep(0.25)
+        self.events.publish("status", {"state": "stopping"})
+        await self.downloads.close()
+        await asyncio.sleep(0.5)  # lets the last events reach the followers
+        apps = [self.deployer.app_for(a) for a in self.inference.items]
+        teardown = Teardown.options(lifetime="detached", num_cpus=0).remote()
+        teardown.run.remote(apps, self.app_name)
+
+
+def _timings(alias: str, infos: list[dict]) -> dict[str, Any]:
+    tokens_per_s = sum(i.get("tokens_per_s", 0.0) for i in infos)
+    return {
+        "alias": alias,
+        "meta": {"replicas": len(infos)},
+        "system": {},
+        "tensors": {},
+        "timings": {
+            "timestamp": int(time.time()),
+            "predicted_per_second": tokens_per_s,
+            "sample_per_second": tokens_per_s,
+            "running": sum(i.get("num_running", 0) for i in infos),
+            "waiting": sum(i.get("num_waiting", 0) for i in infos),
+            "kv_usage": max((i.get("kv_usage", 0.0) for i in infos), default=0.0),
+        },
+    }
+
+
+@ray.remote(num_cpus=0)
+class Teardown:
+    """Deletes the applications from outside them (the operator is one of their replicas),
+    then leaves."""
+
+    def run(self, apps: list[str], own: str) -> None:
+        for app in [*apps, own]:
+            try:
+                serve.delete(app)
+            except Exception as exc:
+                logger.warning("teardown: deleting %s failed: %r", app, exc)
+        if not serve.status().applications:
+            serve.shutdown()
+        ray.actor.exit_actor()
+
+
+OperatorDeployment = serve.deployment(Operator, name="Operator")

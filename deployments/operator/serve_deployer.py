@@ -1,0 +1,43 @@
+"""The operator's Deployer on Serve: each alias is an application of its own, named after
+the Shoal app that started it, with no HTTP route (the ingress reaches it by handle)."""
+
+import re
+from typing import Any
+
+from ray import serve
+
+from deployments.config import ModelDeploymentConfig
+
+
+def serve_name(name: str) -> str:
+    """A model's name as Serve may name a deployment or application ('/' is not allowed)."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", name)
+
+
+def model_deployment_name(name: str) -> str:
+    return f"ModelServer:{serve_name(name)}"
+
+
+class ServeDeployer:
+    def __init__(self, app_name: str, registry: Any) -> None:
+        self.app_name = app_name
+        self.registry = registry  # the EngineRegistry's handle: the alias reports there too
+
+    def app_for(self, alias: str) -> str:
+        return f"{self.app_name}--{serve_name(alias)}"
+
+    def deploy(self, config: ModelDeploymentConfig) -> None:
+        """Returns once the alias's replicas are running; raises if Serve gives up."""
+        from deployments.builder import model_deployment  # builder imports the operator
+
+        serve.run(
+            model_deployment(config, self.registry),
+            name=self.app_for(config.name),
+            route_prefix=None,
+        )
+
+    def remove(self, alias: str) -> None:
+        serve.delete(self.app_for(alias))
+
+    def handle(self, alias: str) -> Any:
+        return serve.get_deployment_handle(model_deployment_name(alias), self.app_for(alias))

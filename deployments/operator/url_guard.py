@@ -1,0 +1,124 @@
+"""Where a download may connect: the SSRF guard under every HTTP request the operator makes.
+
+The rule is checked on each TCP connection, not on the URL, so redirects and DNS tricks
+meet it too:
+- the host must be the configured hub or one of its storage hosts (an allow list);
+- the host is resolved once, here, and every address it resolves to must be public
+  (no private, loopback, link-local, multicast, reserved or unspecified address, IPv4
+  mapped into IPv6 included) unless the host is listed in `private_hosts`;
+- the socket connects to the address that was checked, never to a second lookup, so a
+  name that answers a public address first and a private one next (DNS rebinding)
+  cannot slip through. TLS still verifies the certificate against the host name.
+
+`guarded_client()` is an httpx2 client (huggingface_hub's HTTP library) with this guard
+as its network backend and no proxies from the environment.
+"""
+
+import ipaddress
+import socket
+from collections.abc import Callable, Iterable
+from urllib.parse import urlsplit
+
+import httpcore2
+import httpx2
+
+from app.protocol.errors import ShoalError
+
+Resolver = Callable[[str, int], list[str]]
+
+
+class TargetRefusedError(ShoalError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "target_refused"
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def is_public(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified)
+
+
+class HostPolicy:
+    """Which hosts a download may reach, and the one address it connects to for each."""
+
+    def __init__(
+        self,
+        allowed_hosts: Iterable[str],
+        private_hosts: Iterable[str] = (),
+        resolver: Resolver = system_resolver,
+    ) -> None:
+        self.allowed = {h.lower().rstrip(".") for h in allowed_hosts}
+        self.private = {h.lower().rstrip(".") for h in private_hosts}
+        self.resolver = resolver
+
+    @classmethod
+    def for_hub(
+        cls,
+        endpoint: str,
+        storage_hosts: Iterable[str],
+        private_hosts: Iterable[str] = (),
+        resolver: Resolver = system_resolver,
+    ) -> "HostPolicy":
+        hub = urlsplit(endpoint).hostname or ""
+        return cls([hub, *storage_hosts], private_hosts, resolver)
+
+    def address(self, host: str, port: int) -> str:
+        """The checked address to connect to for `host`; TargetRefusedError otherwise."""
+        name = host.lower().rstrip(".").strip("[]")
+        if name not in self.allowed:
+            raise TargetRefusedError(f"downloads may not reach {host!r}: not the configured hub")
+        try:
+            addresses = self.resolver(name, port)
+        except OSError as exc:
+            raise TargetRefusedError(f"cannot resolve {host!r}: {exc}") from None
+        if not addresses:
+            raise TargetRefusedError(f"{host!r} resolves to no address")
+        if name not in self.private:
+            bad = [a for a in addresses if not is_public(a)]
+            if bad:
+                raise TargetRefusedError(
+                    f"{host!r} resolves to a non-public address ({bad[0]}): refused"
+                )
+        return addresses[0]
+
+
+class GuardedBackend(httpcore2.SyncBackend):
+    def __init__(self, policy: HostPolicy) -> None:
+        self.policy = policy
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable | None = None,
+    ) -> httpcore2.NetworkStream:
+        address = self.policy.address(host, port)
+        return super().connect_tcp(address, port, timeout, local_address, socket_options)
+
+
+def guarded_client(
+    policy: HostPolicy, timeout_s: float = 30.0, headers: dict | None = None
+) -> httpx2.Client:
+    transport = httpx2.HTTPTransport(trust_env=False)
+    # httpx2 takes no network backend argument: swap its pool for one that has ours.
+    transport._pool = httpcore2.ConnectionPool(
+        ssl_context=httpx2.create_ssl_context(),
+        network_backend=GuardedBackend(policy),
+    )
+    return httpx2.Client(
+        transport=transport,
+        follow_redirects=True,
+        max_redirects=5,
+        timeout=httpx2.Timeout(timeout_s, connect=10.0),
+        trust_env=False,
+        headers=headers,
+    )

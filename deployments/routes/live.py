@@ -1,0 +1,101 @@
+"""The live WebSocket at /ws: every operator event (`metrics`, `status`,
+`download_status`, `inference_status`) pushed to each connected client as JSON
+{"event": ..., "data": ..., "seq": ..., "time": ...}, from whichever ingress replica it
+is connected to. On connecting, a client first gets the current downloads and
+inference items. A client may send {"type": "shutdown"} (or the text "shutdown") to
+drain the server, as GET /api/shutdown does.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from fastapi import APIRouter, FastAPI, WebSocket, WebSocketDisconnect
+
+from deployments.ingress import Ingress
+from deployments.operator.follower import Broadcaster, Client, EventFollower
+from deployments.routes.operator import manage, operator_call
+
+logger = logging.getLogger("ray.serve")
+MAX_CLIENT_MESSAGE = 4096
+router = APIRouter()
+
+
+def install(app: FastAPI, ingress: Ingress) -> None:
+    if ingress.operator is None:
+        return
+    broadcaster = app.state.broadcaster = Broadcaster()
+    follower = EventFollower(ingress, broadcaster)
+    tasks: list[asyncio.Task] = []
+
+    async def start() -> None:
+        tasks.append(asyncio.get_running_loop().create_task(follower.run()))
+
+    async def stop() -> None:
+        follower.stop()
+        for task in tasks:
+            task.cancel()
+
+    app.router.on_startup.append(start)
+    app.router.on_shutdown.append(stop)
+
+
+@router.websocket("/ws")
+async def events(websocket: WebSocket) -> None:
+    ingress: Ingress = websocket.app.state.ingress
+    broadcaster: Broadcaster | None = getattr(websocket.app.state, "broadcaster", None)
+    if broadcaster is None:
+        await websocket.close(code=1008, reason="the operator API is turned off")
+        return
+    await websocket.accept()
+    client = broadcaster.join()
+    try:
+        snapshot = [
+            ("download_status", await manage(ingress, "downloads.list", None, None)),
+            ("inference_status", await manage(ingress, "inference.list", None)),
+        ]
+        for kind, items in snapshot:
+            for item in items:
+                await websocket.send_json({"event": kind, "data": item, "seq": 0})
+        await _pump(websocket, client, ingress)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        broadcaster.leave(client)
+
+
+async def _pump(websocket: WebSocket, client: Client, ingress: Ingress) -> None:
+    """Send events until the client leaves or falls too far behind; read its messages."""
+    reader = asyncio.ensure_future(_read(websocket, ingress))
+    dropped = asyncio.ensure_future(client.dropped.wait())
+    try:
+        while True:
+            getter = asyncio.ensure_future(client.queue.get())
+            done, _ = await asyncio.wait(
+                {getter, reader, dropped}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if getter not in done:
+                getter.cancel()
+                if dropped in done:
+                    await websocket.close(code=1013, reason="too slow: events dropped")
+                return
+            await websocket.send_json(getter.result())
+    finally:
+        for task in (reader, dropped):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _read(websocket: WebSocket, ingress: Ingress) -> None:
+    while True:
+        text = await websocket.receive_text()
+        if len(text) > MAX_CLIENT_MESSAGE:
+            await websocket.close(code=1009, reason="message too big")
+            return
+        with contextlib.suppress(ValueError, AttributeError):
+            text = json.loads(text).get("type", "")
+        if text == "shutdown":
+            logger.info("shutdown asked over the WebSocket")
+            await operator_call(ingress, "drain", "websocket")

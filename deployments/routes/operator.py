@@ -1,0 +1,157 @@
+"""The operator API (the Wingman server's /api endpoints): the model catalog, downloads,
+inference control (aliases started and stopped at run time), the cluster's hardware,
+a graceful shutdown and client log lines. The state lives in the Operator deployment
+(deployments/operator); these routes only validate and call it.
+
+Errors take Ollama's shape ({"error": "..."}), as everything under /api/ does.
+"""
+
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.protocol.errors import NotFoundError
+from deployments.ingress import Ingress, IngressDep, unwrap
+
+logger = logging.getLogger("ray.serve")
+# Lines sent by clients, at their level, in the replica's log (a child of Serve's logger).
+client_log = logging.getLogger("ray.serve.client")
+MAX_LOG_MESSAGE = 8192
+
+router = APIRouter()
+
+Repo = Annotated[str, Query(alias="modelRepo", min_length=1, max_length=200)]
+OptionalRepo = Annotated[str | None, Query(alias="modelRepo", max_length=200)]
+FilePath = Annotated[str | None, Query(alias="filePath", max_length=512)]
+Alias = Annotated[str, Query(min_length=1, max_length=128)]
+
+
+async def operator_call(ingress: Ingress, method: str, *args: Any) -> Any:
+    """A call on the Operator deployment; its error is raised as itself."""
+    if ingress.operator is None:
+        raise NotFoundError("the operator API is turned off on this server")
+    try:
+        return await getattr(ingress.operator, method).remote(*args)
+    except Exception as exc:
+        raise unwrap(exc) from None
+
+
+async def manage(ingress: Ingress, method: str, *args: Any) -> Any:
+    return await operator_call(ingress, "call", method, *args)
+
+
+# ---- catalog and hardware ---------------------------------------------------------------
+@router.get("/api/models")
+async def models(ingress: IngressDep) -> dict:
+    return {"models": await operator_call(ingress, "models")}
+
+
+@router.get("/api/hardware")
+@router.get("/api/hardwareinfo")
+async def hardware(ingress: IngressDep) -> dict:
+    return await operator_call(ingress, "hardware")
+
+
+# ---- downloads --------------------------------------------------------------------------
+@router.get("/api/downloads")
+async def downloads(
+    ingress: IngressDep, model_repo: OptionalRepo = None, file_path: FilePath = None
+) -> dict:
+    return {"DownloadItems": await manage(ingress, "downloads.list", model_repo, file_path)}
+
+
+@router.get("/api/downloads/enqueue")
+async def enqueue(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
+    return await manage(ingress, "downloads.enqueue", model_repo, file_path)
+
+
+@router.get("/api/downloads/cancel")
+async def cancel(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
+    return await manage(ingress, "downloads.cancel", model_repo, file_path)
+
+
+@router.get("/api/downloads/reset")
+async def reset(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
+    return await manage(ingress, "downloads.reset", model_repo, file_path)
+
+
+# ---- inference control ------------------------------------------------------------------
+@router.get("/api/inference")
+async def inference(ingress: IngressDep, alias: str | None = None) -> dict:
+    return {"WingmanItems": await manage(ingress, "inference.list", alias)}
+
+
+@router.get("/api/inference/status")
+async def inference_status(ingress: IngressDep, alias: str | None = None) -> list:
+    return await manage(ingress, "inference.list", alias)
+
+
+@router.get("/api/inference/start")
+async def inference_start(
+    ingress: IngressDep,
+    alias: Alias,
+    model_repo: Repo,
+    file_path: FilePath = None,
+    context_size: Annotated[int, Query(alias="contextSize", ge=0, le=1 << 20)] = 0,
+    gpu_layers: Annotated[int, Query(alias="gpuLayers", ge=-1, le=1000)] = 0,
+    chat_template: Annotated[str, Query(alias="chatTemplate", max_length=64)] = "",
+    address: str = "",
+    port: int = 0,
+) -> dict:
+    """`address` and `port` are accepted and unused: Serve places the replicas and the
+    ingress reaches them by handle; clients use the alias as `model`."""
+    return await manage(
+        ingress,
+        "inference.start",
+        alias,
+        model_repo,
+        file_path,
+        context_size,
+        gpu_layers,
+        chat_template,
+    )
+
+
+@router.get("/api/inference/stop")
+async def inference_stop(ingress: IngressDep, alias: Alias) -> dict:
+    return await manage(ingress, "inference.stop", alias)
+
+
+@router.get("/api/inference/reset")
+async def inference_reset(ingress: IngressDep, alias: Alias) -> dict:
+    return await manage(ingress, "inference.reset", alias)
+
+
+# ---- shutdown and logs ------------------------------------------------------------------
+@router.get("/api/shutdown")
+async def shutdown(ingress: IngressDep) -> dict:
+    """Drain: no new requests; open streams finish; then the app is deleted."""
+    return await operator_call(ingress, "drain", "api")
+
+
+class WingmanLogItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    isa: Literal["WingmanLogItem"] = "WingmanLogItem"
+    level: Literal["debug", "info", "warn", "warning", "error"] = "info"
+    message: str = Field(max_length=MAX_LOG_MESSAGE)
+    timestamp: int = 0
+
+
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+@router.post("/api/utils/log")
+async def log(item: WingmanLogItem) -> dict:
+    # One line per item: a client's newlines cannot forge other log lines.
+    text = item.message.replace("\r", "\\r").replace("\n", "\\n")
+    client_log.log(LEVELS[item.level], "client: %s", text)
+    return item.model_dump()
