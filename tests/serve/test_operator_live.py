@@ -47,7 +47,10 @@ def ops(serve_app, tmp_path_factory):
                     }
                 ],
                 "embeddings": {"enabled": False},
-                "assistants": {"database_path": str(state / "shoal.sqlite3")},
+                # Two ingress replicas: every WebSocket client gets every event, whichever
+                # replica it reached. (The operator alone writes its SQLite file.)
+                "ingress_replicas": 2,
+                "assistants": {"enabled": False, "database_path": str(state / "shoal.sqlite3")},
                 "operator": {
                     "hub_endpoint": hub.url,
                     "private_hosts": ["127.0.0.1"],
@@ -89,11 +92,17 @@ def wait_status(url: str, alias: str, status: str, timeout_s: float = 240) -> di
         time.sleep(0.5)
 
 
+WATCHERS = 4  # WebSocket clients, spread by Serve's proxy over the ingress replicas
+
+
 def test_start_an_alias_at_run_time_beside_a_live_stream(ops):
-    seen: list = []
+    seen_by: list[list] = [[] for _ in range(WATCHERS)]
     stop = threading.Event()
-    watcher = threading.Thread(target=events, args=(ops, seen, stop), daemon=True)
-    watcher.start()
+    watchers = [
+        threading.Thread(target=events, args=(ops, seen, stop), daemon=True) for seen in seen_by
+    ]
+    for watcher in watchers:
+        watcher.start()
     time.sleep(1.0)
     client = openai.OpenAI(base_url=f"{ops}/v1", api_key="none", max_retries=0)
     try:
@@ -148,16 +157,18 @@ def test_start_an_alias_at_run_time_beside_a_live_stream(ops):
             )
     finally:
         stop.set()
-        watcher.join(timeout=5)
-    statuses = [
-        e["data"]["status"]
-        for e in seen
-        if e["event"] == "inference_status" and e["data"]["alias"] == ALIAS
-    ]
-    assert statuses == ["queued", "preparing", "inferring", "cancelling", "complete"], statuses
-    assert any(e["event"] == "metrics" and e["data"]["alias"] == "tiny-a" for e in seen)
-    downloads = [e["data"]["status"] for e in seen if e["event"] == "download_status"]
-    assert downloads[0] == "queued" and downloads[-1] == "complete"
+        for watcher in watchers:
+            watcher.join(timeout=5)
+    for seen in seen_by:
+        statuses = [
+            e["data"]["status"]
+            for e in seen
+            if e["event"] == "inference_status" and e["data"]["alias"] == ALIAS
+        ]
+        assert statuses == ["queued", "preparing", "inferring", "cancelling", "complete"]
+        assert any(e["event"] == "metrics" and e["data"]["alias"] == "tiny-a" for e in seen)
+        downloads = [e["data"]["status"] for e in seen if e["event"] == "download_status"]
+        assert downloads[0] == "queued" and downloads[-1] == "complete"
 
 
 def test_errors_and_hardware(ops):
