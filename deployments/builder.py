@@ -34,7 +34,9 @@ def build_app(config: AppConfig) -> Application:
     operator = None
     if config.operator.enabled:
         operator = OperatorDeployment.options(
-            ray_actor_options={"num_cpus": config.tokenizer_num_cpus / 4}
+            # Each ingress replica holds a long poll here; every call only awaits I/O.
+            max_ongoing_requests=1000,
+            ray_actor_options={"num_cpus": config.tokenizer_num_cpus / 4},
         ).bind(config, registry)
     return IngressDeployment.options(
         num_replicas=config.ingress_replicas,

@@ -26,6 +26,8 @@ class FixtureHub:
         self.rate: float | None = None
         self.redirects: dict[tuple[str, str], str] = {}
         self.requests: list[str] = []
+        self.ranges: list[tuple[str, int]] = []  # (path, first byte) of each ranged GET
+        self.ignore_range = False  # answer 200 with the whole file, as some mirrors do
         self.url = ""
 
     def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
@@ -102,8 +104,11 @@ def _handler(hub: FixtureHub) -> type[BaseHTTPRequestHandler]:
             data = hub.repos[repo][file]
             start = 0
             ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range", ""))
-            if ranged:
+            if ranged and not hub.ignore_range:
                 start = int(ranged.group(1))
+                hub.ranges.append((file, start))
+            else:
+                ranged = None
             self.send_response(206 if ranged else 200)
             self.send_header("Content-Length", str(len(data) - start))
             self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
@@ -140,29 +145,19 @@ def fixture_hub():
 
 def save_tiny_chat_model(directory: Path) -> Path:
     """A random 2-layer Llama over the default model's own tokenizer (its vocabulary and
-    chat template), in bfloat16 safetensors: about 13 MB, loadable by the engine."""
-    import torch
-    import transformers
-
+    chat template): about 13 MB of safetensors, loadable by the engine."""
     from app.models.source import resolve_model
     from app.models.tokenizer import load_tokenizer
+    from tests.helpers import save_tiny_checkpoint
 
     tokenizer = load_tokenizer(resolve_model("default"))
-    config = transformers.LlamaConfig(
+    save_tiny_checkpoint(
+        directory,
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
-        torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

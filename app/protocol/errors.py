@@ -47,6 +47,9 @@ class ModelLoadError(ShoalError):
         self.model = model
         self.problem = problem
 
+    def __reduce__(self):  # noqa: ANN204 (pickled across processes with both fields)
+        return (ModelLoadError, (self.model, self.problem))
+
 
 class OverloadedError(ShoalError):
     """Every replica of the model is busy and the waiting line is full: retry later."""
@@ -69,6 +72,11 @@ class NotFoundError(ShoalError):
 class NotImplementedByServerError(ShoalError):
     status_code = 501
     error_type = "not_implemented_error"
+
+
+class PermissionDeniedError(ShoalError):
+    status_code = 403
+    error_type = "permission_error"
 
 
 class ConflictError(ShoalError):

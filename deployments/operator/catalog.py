@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.engine.config import EngineConfig
-from app.models.source import resolve_model
+from app.models.source import DEFAULT_MODEL, resolve_model
 from deployments.config import AppConfig
 
 WEIGHT_BYTES = 2  # bfloat16
@@ -95,6 +95,16 @@ def _model(
     }
 
 
+def _local_weights(name: str) -> Path | None:
+    """A configured model's weights on this machine; None for a Hub repo id (resolving
+    it would download it here)."""
+    local = Path(name).expanduser()
+    if name not in ("", "default", DEFAULT_MODEL) and not local.exists():
+        return None
+    source = resolve_model(name)
+    return source.directory / source.gguf_file if source.gguf_file else source.directory
+
+
 def catalog(
     config: AppConfig, downloads: list[dict], running: dict[str, str], hardware: dict
 ) -> list[dict]:
@@ -105,10 +115,10 @@ def catalog(
     mem = roomiest["memory"] if roomiest else {"total": 0, "available": 0}
     models = []
     for m in config.models:
-        source = resolve_model(m.engine.model)
-        path = source.directory / source.gguf_file if source.gguf_file else source.directory
-        need = memory_required(path, m.engine)
-        item = _item(m.engine.model, source.gguf_file or "", str(path), True, need, mem["total"])
+        path = _local_weights(m.engine.model)
+        need = memory_required(path, m.engine) if path else 0
+        gguf = path.name if path and path.suffix == ".gguf" else ""
+        item = _item(m.engine.model, gguf, str(path or m.engine.model), True, need, mem["total"])
         item["isInferable"] = True  # it is being served
         models.append(
             _model(

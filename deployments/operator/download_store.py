@@ -1,6 +1,7 @@
 """The download list, one row per (modelRepo, filePath), in the app's database (the one
 the Assistants API uses), so a restart reports what was downloaded and resumes the rest.
-An empty filePath stands for every file of the repo."""
+An empty filePath stands for every file of the repo. Rows are the Serve application's:
+two apps sharing a database keep their own lists."""
 
 import json
 import time
@@ -20,6 +21,7 @@ ACTIVE = ("queued", "downloading")
 class Download(Base):
     __tablename__ = "downloads"
 
+    app: Mapped[str] = mapped_column(String(128), primary_key=True)
     model_repo: Mapped[str] = mapped_column(String(200), primary_key=True)
     file_path: Mapped[str] = mapped_column(String(512), primary_key=True)
     status: Mapped[str] = mapped_column(String(16))
@@ -69,21 +71,22 @@ _FIELDS = [f for f in DownloadState.__dataclass_fields__]
 
 
 class DownloadStore:
-    def __init__(self, db: Database) -> None:
-        self.db = db
+    def __init__(self, db: Database, app: str) -> None:
+        self.db, self.app = db, app
 
     def all(self) -> list[DownloadState]:
         with Session(self.db.engine) as session:
-            rows = session.scalars(select(Download).order_by(Download.created)).all()
+            mine = select(Download).filter_by(app=self.app).order_by(Download.created)
+            rows = session.scalars(mine).all()
             return [DownloadState(**{f: getattr(r, f) for f in _FIELDS}) for r in rows]
 
     def save(self, state: DownloadState) -> None:
         state.updated = int(time.time())
         with Session(self.db.engine) as session, session.begin():
-            session.merge(Download(**{f: getattr(state, f) for f in _FIELDS}))
+            session.merge(Download(app=self.app, **{f: getattr(state, f) for f in _FIELDS}))
 
     def delete(self, model_repo: str, file_path: str) -> None:
         with Session(self.db.engine) as session, session.begin():
-            row = session.get(Download, (model_repo, file_path))
+            row = session.get(Download, (self.app, model_repo, file_path))
             if row is not None:
                 session.delete(row)

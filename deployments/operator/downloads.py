@@ -18,8 +18,10 @@ from typing import Any
 from app.protocol.errors import NotFoundError, ShoalError
 from deployments.operator.download_store import ACTIVE, DownloadState, DownloadStore
 from deployments.operator.hub import (
+    PART_SUFFIX,
     DownloadCancelled,
     Hub,
+    RemoteFile,
     RepoFiles,
     check_file_path,
     check_repo,
@@ -62,6 +64,9 @@ class DownloadManager:
         self.running: dict[tuple[str, str], _Progress] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.slots = asyncio.Semaphore(max_concurrent)
+        # One change at a time per item: two enqueues must not start two writers.
+        self.locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.repo_locks: dict[str, asyncio.Lock] = {}
 
     async def start(self) -> None:
         """Load the list; what a stop interrupted goes on from where it was."""
@@ -83,8 +88,17 @@ class DownloadManager:
         progress = self.running.get((state.model_repo, state.file_path))
         return state.as_api(progress.speed_bps if progress else 0.0)
 
+    def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
     async def enqueue(self, model_repo: str, file_path: str | None) -> dict[str, Any]:
         key = self._key(model_repo, file_path)
+        async with self._lock(key):
+            return await self._enqueue(key, model_repo, file_path)
+
+    async def _enqueue(
+        self, key: tuple[str, str], model_repo: str, file_path: str | None
+    ) -> dict[str, Any]:
         state = self.items.get(key)
         if state is not None and (state.status in ACTIVE or state.status == "complete"):
             return self.as_api(state)
@@ -100,8 +114,10 @@ class DownloadManager:
         if state is None:
             state = DownloadState(key[0], key[1], "queued", created=int(time.time()))
             self.items[key] = state
-        if state.commit != files.commit:
-            state.downloaded_bytes = 0  # another commit: the parts on disk are stale
+        if state.commit is not None and state.commit != files.commit:
+            # Another commit: what is on disk is the old one's, never to be mixed in.
+            await asyncio.to_thread(self._remove_files, state)
+            state.downloaded_bytes = 0
         state.status, state.error = "queued", None
         state.commit, state.total_bytes = files.commit, files.total_bytes
         await self._changed(state)
@@ -110,21 +126,33 @@ class DownloadManager:
 
     async def cancel(self, model_repo: str, file_path: str | None) -> dict[str, Any]:
         state = self._find(model_repo, file_path)
-        if state.status in ACTIVE:
-            await self._stop(state)
-            state.status = "cancelled"
-            await self._changed(state)
+        async with self._lock((state.model_repo, state.file_path)):
+            if state.status in ACTIVE:
+                await self._stop(state)
+                if state.status in ACTIVE:  # it may have completed meanwhile
+                    state.status = "cancelled"
+                    await self._changed(state)
         return self.as_api(state)
 
     async def reset(self, model_repo: str, file_path: str | None) -> dict[str, Any]:
         """Stop it, delete its files and forget it."""
         state = self._find(model_repo, file_path)
-        await self._stop(state)
-        await asyncio.to_thread(self._remove_files, state)
-        del self.items[(state.model_repo, state.file_path)]
-        await asyncio.to_thread(self.store.delete, state.model_repo, state.file_path)
-        state.status, state.downloaded_bytes, state.location = "idle", 0, None
-        self.publish(self.as_api(state))
+        # A whole repo's files include its single files': those items go with it.
+        gone = [state] + [
+            s
+            for s in self.items.values()
+            if not state.file_path and s.model_repo == state.model_repo and s.file_path
+        ]
+        for item in gone:
+            key = (item.model_repo, item.file_path)
+            async with self._lock(key):
+                await self._stop(item)
+                await asyncio.to_thread(self._remove_files, item)
+                if self.items.pop(key, None) is not None:
+                    await asyncio.to_thread(self.store.delete, *key)
+                    item.status, item.downloaded_bytes, item.location = "idle", 0, None
+                    self.publish(self.as_api(item))
+            self.locks.pop(key, None)
         return self.as_api(state)
 
     def location(self, model_repo: str, file_path: str | None) -> Path | None:
@@ -154,15 +182,19 @@ class DownloadManager:
             async with self.slots:
                 if progress.cancel.is_set():
                     return
-                if files is None:  # resumed after a restart: the listing again
+                if files is None:  # resumed after a restart: the same commit's listing
                     files = await asyncio.to_thread(
-                        self.hub.files, state.model_repo, state.file_path or None
+                        self.hub.files, state.model_repo, state.file_path or None, state.commit
                     )
+                if progress.cancel.is_set():
+                    return
                 state.status = "downloading"
                 await self._changed(state)
-                await asyncio.to_thread(self._fetch, progress, files, loop)
+                # One writer per repo: a whole repo and one of its files share their files.
+                async with self.repo_locks.setdefault(state.model_repo, asyncio.Lock()):
+                    await asyncio.to_thread(self._fetch, progress, files, loop)
             state.status, state.downloaded_bytes = "complete", state.total_bytes
-        except DownloadCancelled:
+        except (DownloadCancelled, asyncio.CancelledError):
             return  # cancel() or reset() says what it became
         except Exception as exc:
             logger.warning("download %s/%s failed: %r", state.model_repo, state.file_path, exc)
@@ -178,28 +210,38 @@ class DownloadManager:
         """In a worker thread: every file, counting bytes (resumed parts included)."""
         state = progress.state
         into = self.models_dir / state.model_repo
-        base = _bytes_on_disk(into, files)
-        state.downloaded_bytes = base
+        done = 0  # bytes of the files already whole
         last = [time.monotonic()]
+        for file in files.files:
+            target = into / file.path
+            if _size(target) == file.size:
+                done += file.size
+                continue
+            part = target.with_name(target.name + PART_SUFFIX)
 
-        def on_bytes(n: int) -> None:
-            if progress.cancel.is_set():
-                raise DownloadCancelled
-            state.downloaded_bytes += n
-            if state.downloaded_bytes > min(state.total_bytes, self.max_bytes):
-                raise TooLargeError(f"the hub sent more than the {state.total_bytes} bytes listed")
-            now = time.monotonic()
-            if now - last[0] >= PUBLISH_EVERY_S:
+            def on_bytes(
+                n: int, file: RemoteFile = file, part: Path = part, done: int = done
+            ) -> None:
+                # Counted from the part on disk: a hub that ignores Range restarts it.
+                if progress.cancel.is_set():
+                    raise DownloadCancelled
+                now = time.monotonic()
+                if now - last[0] < PUBLISH_EVERY_S:
+                    return
+                written = _size(part)
+                if written > file.size:
+                    raise TooLargeError(f"the hub sent more than the {file.size} bytes listed")
+                state.downloaded_bytes = done + written
                 t0, b0 = progress._mark
-                progress.speed_bps = (state.downloaded_bytes - b0) / max(now - t0, 1e-6)
+                progress.speed_bps = max(0.0, (state.downloaded_bytes - b0) / max(now - t0, 1e-6))
                 progress._mark = (now, state.downloaded_bytes)
                 last[0] = now
                 self.store.save(state)
                 loop.call_soon_threadsafe(self.publish, self.as_api(state))
 
-        for file in files.files:
-            if _size(into / file.path) != file.size:  # a .part resumes inside fetch()
-                self.hub.fetch(state.model_repo, files.commit, file, into, on_bytes)
+            self.hub.fetch(state.model_repo, files.commit, file, into, on_bytes)
+            done += file.size
+            state.downloaded_bytes = done
         single = state.file_path and len(files.files) == 1
         state.location = str(into / files.files[0].path) if single else str(into)
 
@@ -209,6 +251,8 @@ class DownloadManager:
         if progress is not None:
             progress.cancel.set()
         if task is not None:
+            if state.status == "queued":  # waiting for a slot (or a listing): no writer yet
+                task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     async def _changed(self, state: DownloadState) -> None:
@@ -236,11 +280,3 @@ class DownloadManager:
 
 def _size(path: Path) -> int:
     return path.stat().st_size if path.is_file() else 0
-
-
-def _bytes_on_disk(into: Path, files: RepoFiles) -> int:
-    total = 0
-    for f in files.files:
-        whole = _size(into / f.path)
-        total += whole if whole == f.size else _size(into / (f.path + ".part"))
-    return total

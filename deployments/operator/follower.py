@@ -62,6 +62,7 @@ class EventFollower:
         self.broadcaster = broadcaster
         self.replica = _replica_id()
         self._reporter: asyncio.Task | None = None
+        self._retry = False  # an alias failed to load here: try again at the next poll
 
     async def run(self) -> None:
         seq, first = 0, True
@@ -76,10 +77,14 @@ class EventFollower:
                 await asyncio.sleep(1.0)
                 continue
             events = batch["events"]
-            if first or batch["lost"] or any(e["event"] == "inference_status" for e in events):
+            restarted = batch["seq"] < seq  # a new operator: its numbers started again
+            if restarted and not any(_is_drain(e) for e in events):
+                self.ingress.admission.draining = False  # a drain its death cut short
+            changed = any(e["event"] == "inference_status" for e in events)
+            if first or restarted or batch["lost"] or changed or self._retry:
                 await self._sync_models()
             for event in events:
-                if event["event"] == "status" and event["data"].get("state") == "draining":
+                if _is_drain(event):
                     self._drain()
                 if not first:  # a new follower does not replay the log to its clients
                     self.broadcaster.send(event)
@@ -91,9 +96,11 @@ class EventFollower:
         except Exception as exc:
             logger.warning("operator models unavailable: %r", exc)
             return
-        for alias in list(self.ingress.runtime_models):
-            if alias not in running:
-                self.ingress.remove_model(alias)
+        self._retry = False
+        for alias, current in list(self.ingress.runtime_models.items()):
+            entry = running.get(alias)
+            if entry is None or ModelDeploymentConfig.model_validate(entry["config"]) != current:
+                self.ingress.remove_model(alias)  # gone, or started again on other weights
         for alias, entry in running.items():
             if alias in self.ingress.runtime_models:
                 continue
@@ -104,6 +111,7 @@ class EventFollower:
                 logger.info("serving %s (started at run time)", alias)
             except Exception as exc:
                 logger.warning("cannot serve %s: %r", alias, exc)
+                self._retry = True
 
     def _drain(self) -> None:
         self.ingress.admission.draining = True
@@ -121,6 +129,10 @@ class EventFollower:
     def stop(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
+
+
+def _is_drain(event: dict[str, Any]) -> bool:
+    return event["event"] == "status" and event["data"].get("state") == "draining"
 
 
 def _replica_id() -> str:

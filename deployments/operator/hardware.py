@@ -1,6 +1,7 @@
 """What every node of the Ray cluster has: CPUs, memory and GPUs (NVML where present),
 read on the node itself by a zero-CPU task pinned there."""
 
+import asyncio
 import os
 import platform
 from typing import Any
@@ -66,6 +67,9 @@ def local_hardware() -> dict[str, Any]:
     }
 
 
+PROBE_TIMEOUT_S = 10.0
+
+
 @ray.remote(num_cpus=0)
 def _probe() -> dict[str, Any]:
     return local_hardware()
@@ -86,7 +90,7 @@ async def cluster_hardware() -> dict[str, Any]:
     out = []
     for node, ref in zip(nodes, refs, strict=True):
         try:
-            reading = await ref
+            reading = await asyncio.wait_for(ref, PROBE_TIMEOUT_S)
         except Exception as exc:  # a node going away: say so rather than fail the list
             reading = {"error": str(exc)}
         out.append(

@@ -28,6 +28,7 @@ from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
 from deployments.operator.url_guard import HostPolicy, guarded_client
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+CHUNK_BYTES = 1 << 20
 PART_SUFFIX = ".part"  # a file being fetched; its size is where a resume starts
 
 
@@ -76,14 +77,16 @@ class Hub:
         self.token = token or False  # False: never a token from the environment or disk
         # Xet storage downloads through its own Rust client, past this guard: plain HTTP only.
         constants.HF_HUB_DISABLE_XET = True
+        # Its default of 10 MB per chunk would make progress and cancel that coarse.
+        constants.DOWNLOAD_CHUNK_SIZE = CHUNK_BYTES
         os.environ["HF_HUB_DISABLE_XET"] = "1"
         huggingface_hub.set_client_factory(lambda: guarded_client(policy))
         self.api = HfApi(endpoint=self.endpoint, token=self.token)
 
-    def files(self, repo: str, file_path: str | None) -> RepoFiles:
-        """The repo's files at its head commit (only `file_path`, when given)."""
+    def files(self, repo: str, file_path: str | None, commit: str | None = None) -> RepoFiles:
+        """The repo's files at `commit` (default: its head), only `file_path` if given."""
         try:
-            info = self.api.model_info(repo, files_metadata=True)
+            info = self.api.model_info(repo, revision=commit, files_metadata=True)
         except (RepositoryNotFoundError, GatedRepoError) as exc:
             raise NotFoundError(f"repo {repo!r} not found on {self.endpoint}", "modelRepo") from exc
         except HfHubHTTPError as exc:
@@ -95,6 +98,11 @@ class Hub:
         except httpx2.TransportError as exc:
             raise HubError(f"cannot reach {self.endpoint}: {exc}") from None
         files = [RemoteFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
+        for f in files:  # a hostile mirror's listing must not write outside the repo's folder
+            try:
+                check_file_path(f.path)
+            except InvalidRequestError:
+                raise HubError(f"the hub listed an unsafe path {f.path!r}") from None
         if file_path is not None:
             files = [f for f in files if f.path == file_path]
             if not files:
@@ -129,6 +137,10 @@ class Hub:
                 )
         except EntryNotFoundError as exc:
             raise NotFoundError(f"{repo!r} has no file {file.path!r}", "filePath") from exc
+        got = part.stat().st_size
+        if got != file.size:
+            part.unlink()
+            raise HubError(f"{file.path}: got {got} bytes, the hub listed {file.size}")
         part.replace(target)
         return target
 

@@ -13,7 +13,8 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,18 +23,35 @@ from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundErro
 from deployments.config import AppConfig, ModelDeploymentConfig
 
 logger = logging.getLogger("ray.serve")
-ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")  # Ollama names hold a '/'
+ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")  # Ollama names: '/' and ':'
 
 LIVE = ("queued", "preparing", "inferring", "cancelling")
 
 
+def _log_failure(future: "asyncio.Future[None]") -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("inference store: %r", future.exception())
+
+
 class Deployer(Protocol):
     """Puts a model's deployment on the cluster and takes it off (deployments/operator/
-    serve_deployer.py on Serve). Both block: they run in worker threads."""
+    serve_deployer.py on Serve). All block: they run in worker threads."""
 
     def deploy(self, config: ModelDeploymentConfig) -> None: ...
 
     def remove(self, alias: str) -> None: ...
+
+    def is_running(self, alias: str) -> bool: ...
+
+
+class ItemStore(Protocol):
+    """Where items outlive the operator (inference_store.py)."""
+
+    def all(self) -> list["WingmanItem"]: ...
+
+    def save(self, item: "WingmanItem") -> None: ...
+
+    def delete(self, alias: str) -> None: ...
 
 
 @dataclass
@@ -75,13 +93,38 @@ class InferenceManager:
         deployer: Deployer,
         locate: Callable[[str, str | None], Path | None],
         publish: Callable[[dict[str, Any]], None],
+        store: ItemStore | None = None,
     ) -> None:
         self.config = config
         self.deployer = deployer
         self.locate = locate  # (modelRepo, filePath) -> a complete download, or None
         self.publish = publish
+        self.store = store
+        # One writer thread: the saves of an item land in the order they were made.
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="shoal-inference-store")
         self.items: dict[str, WingmanItem] = {}
         self.tasks: dict[str, asyncio.Task] = {}
+
+    async def start(self) -> None:
+        """Load the items a previous operator left: an alias whose application still
+        runs is served again as it is; one that was on its way is started again."""
+        if self.store is None:
+            return
+        loop = asyncio.get_running_loop()
+        for item in await loop.run_in_executor(self.writer, self.store.all):
+            self.items[item.alias] = item
+            if item.status not in LIVE:
+                continue
+            running = await asyncio.to_thread(self.deployer.is_running, item.alias)
+            if item.status == "cancelling":
+                await self._guarded(asyncio.to_thread, self.deployer.remove, item.alias, item=item)
+                item.status = "complete"
+            elif running:
+                item.status = "inferring"
+            else:
+                item.status = "queued"
+                self.tasks[item.alias] = loop.create_task(self._deploy(item))
+            self._changed(item)
 
     def list(self, alias: str | None = None) -> list[dict[str, Any]]:
         return [i.as_api() for i in self.items.values() if alias is None or i.alias == alias]
@@ -94,7 +137,7 @@ class InferenceManager:
             if i.status == "inferring" and i.config is not None
         }
 
-    async def start(
+    async def start_alias(
         self,
         alias: str,
         model_repo: str,
@@ -104,9 +147,7 @@ class InferenceManager:
         chat_template: str = "",
     ) -> dict[str, Any]:
         if not ALIAS.match(alias) or ".." in alias:
-            raise InvalidRequestError(
-                f"alias {alias!r}: letters, digits, '.', '_', '-' and '/'", "alias"
-            )
+            raise InvalidRequestError(f"alias {alias!r}: letters, digits and . _ - / :", "alias")
         if self.config.model(alias) is not None or alias == self.config.embeddings.name:
             raise ConflictError(f"{alias!r} is a configured model's name", "alias")
         if chat_template:
@@ -141,6 +182,8 @@ class InferenceManager:
             task = self.tasks.get(alias)
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
+                # A deploy that reached Serve after the first removal is taken off too.
+                await self._guarded(asyncio.to_thread, self.deployer.remove, alias, item=item)
             if item.status == "cancelling":
                 item.status = "complete"
                 self._changed(item)
@@ -148,10 +191,20 @@ class InferenceManager:
 
     async def reset(self, alias: str) -> dict[str, Any]:
         await self.stop(alias)
-        return self.items.pop(alias).as_api()
+        item = self.items.pop(alias, None)
+        if item is None:  # a concurrent reset took it
+            raise NotFoundError(f"no inference item {alias!r}", "alias")
+        if self.store is not None:
+            await asyncio.get_running_loop().run_in_executor(self.writer, self.store.delete, alias)
+        return item.as_api()
 
-    async def stop_all(self) -> None:
-        await asyncio.gather(*(self.stop(a) for a in list(self.items)), return_exceptions=True)
+    async def end_all(self) -> None:
+        """Every item complete, saved (the drain: the applications go with the app)."""
+        for item in self.items.values():
+            if item.status in LIVE:
+                item.status = "complete"
+                self._changed(item)
+        await asyncio.get_running_loop().run_in_executor(self.writer, lambda: None)
 
     async def _deploy(self, item: WingmanItem) -> None:
         try:
@@ -202,6 +255,11 @@ class InferenceManager:
     def _changed(self, item: WingmanItem) -> None:
         item.updated = int(time.time())
         self.publish(item.as_api())
+        if self.store is not None:
+            future = asyncio.get_running_loop().run_in_executor(
+                self.writer, self.store.save, replace(item)
+            )
+            future.add_done_callback(_log_failure)
 
     def _find(self, alias: str) -> WingmanItem:
         item = self.items.get(alias)

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from app.protocol.errors import OverloadedError
+from app.protocol.errors import ConflictError, OverloadedError
 from deployments.assistants.database import Database
 from deployments.config import AppConfig
 from deployments.operator.catalog import catalog
@@ -24,12 +24,21 @@ from deployments.operator.downloads import DownloadManager
 from deployments.operator.events import EventLog
 from deployments.operator.hardware import cluster_hardware
 from deployments.operator.hub import Hub
-from deployments.operator.inference import Deployer, InferenceManager
+from deployments.operator.inference import LIVE, Deployer, InferenceManager
+from deployments.operator.inference_store import InferenceStore
 from deployments.operator.serve_deployer import ServeDeployer
 from deployments.operator.url_guard import HostPolicy
 
 logger = logging.getLogger("ray.serve")
 METRICS_EVERY_S = 2.0
+API_METHODS = {
+    f"{owner}.{name}"
+    for owner, names in {
+        "downloads": ("list", "enqueue", "cancel", "reset"),
+        "inference": ("list", "start_alias", "stop", "reset"),
+    }.items()
+    for name in names
+}
 HARDWARE_KEPT_S = 5.0
 
 
@@ -49,9 +58,10 @@ class Operator:
         self.deployer = deployer or ServeDeployer(self.app_name, registry)
         op = config.operator
         policy = HostPolicy.for_hub(op.hub_endpoint, op.storage_hosts, op.private_hosts)
+        db = Database(config.assistants.url())
         self.downloads = DownloadManager(
             Hub(op.hub_endpoint, op.hub_token, policy),
-            DownloadStore(Database(config.assistants.url())),
+            DownloadStore(db, self.app_name),
             Path(op.models_dir).expanduser(),
             op.max_download_bytes,
             op.max_concurrent_downloads,
@@ -62,6 +72,7 @@ class Operator:
             self.deployer,
             self.downloads.location,
             publish=lambda item: self.events.publish("inference_status", item),
+            store=InferenceStore(db, self.app_name),
         )
         self.draining = False
         self.inflight: dict[str, int] = {}  # ingress replica -> requests open, while draining
@@ -70,9 +81,18 @@ class Operator:
 
     async def _start(self) -> None:
         if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self.downloads.start())
+            self._started = asyncio.get_running_loop().create_task(self._resume())
             asyncio.get_running_loop().create_task(self._metrics())
         await asyncio.shield(self._started)
+
+    async def _resume(self) -> None:
+        """What a previous operator left; a failure here is logged, never fatal: the API
+        must answer even when one stored item cannot be taken up again."""
+        for part in (self.downloads.start, self.inference.start):
+            try:
+                await part()
+            except Exception as exc:
+                logger.error("operator: resuming %s failed: %r", part.__qualname__, exc)
 
     # ---- events -------------------------------------------------------------------------
     async def events_since(self, seq: int, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -97,9 +117,19 @@ class Operator:
     # ---- downloads, inference, catalog ----------------------------------------------------
     async def call(self, method: str, *args: Any) -> Any:
         """One of the managers' API methods, by name (`downloads.enqueue`, ...)."""
+        if method not in API_METHODS:
+            raise ValueError(f"no operator method {method!r}")
         await self._start()
-        if self.draining and method.split(".")[1] in ("enqueue", "start"):
+        if self.draining and method in ("downloads.enqueue", "inference.start_alias"):
             raise OverloadedError("the server is shutting down")
+        if method == "downloads.reset":
+            serving = [
+                i["alias"]
+                for i in self.inference.list()
+                if i["modelRepo"] == args[0] and i["status"] in LIVE
+            ]
+            if serving:
+                raise ConflictError(f"{args[0]} is served as {serving}: stop that first")
         owner, name = method.split(".")
         manager = {"downloads": self.downloads, "inference": self.inference}[owner]
         result = getattr(manager, name)(*args)
@@ -158,6 +188,7 @@ class Operator:
         await self.downloads.close()
         await asyncio.sleep(0.5)  # lets the last events reach the followers
         apps = [self.deployer.app_for(a) for a in self.inference.items]
+        await self.inference.end_all()  # a shut-down app starts again without its aliases
         teardown = Teardown.options(lifetime="detached", num_cpus=0).remote()
         teardown.run.remote(apps, self.app_name)
 

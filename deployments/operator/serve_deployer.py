@@ -1,6 +1,7 @@
 """The operator's Deployer on Serve: each alias is an application of its own, named after
 the Shoal app that started it, with no HTTP route (the ingress reaches it by handle)."""
 
+import hashlib
 import re
 from typing import Any
 
@@ -10,8 +11,12 @@ from deployments.config import ModelDeploymentConfig
 
 
 def serve_name(name: str) -> str:
-    """A model's name as Serve may name a deployment or application ('/' is not allowed)."""
-    return re.sub(r"[^A-Za-z0-9._:-]", "-", name)
+    """A model's name as Serve may name a deployment or application ('/' is not allowed);
+    a name that had to change gets its hash, so 'a/b' and 'a-b' stay apart."""
+    safe = re.sub(r"[^A-Za-z0-9._:-]", "-", name)
+    if safe == name:
+        return name
+    return f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def model_deployment_name(name: str) -> str:
@@ -38,6 +43,10 @@ class ServeDeployer:
 
     def remove(self, alias: str) -> None:
         serve.delete(self.app_for(alias))
+
+    def is_running(self, alias: str) -> bool:
+        app = serve.status().applications.get(self.app_for(alias))
+        return app is not None and app.status == "RUNNING"
 
     def handle(self, alias: str) -> Any:
         return serve.get_deployment_handle(model_deployment_name(alias), self.app_for(alias))

@@ -22,14 +22,12 @@ from urllib.parse import urlsplit
 import httpcore2
 import httpx2
 
-from app.protocol.errors import ShoalError
+from app.protocol.errors import PermissionDeniedError
 
 Resolver = Callable[[str, int], list[str]]
 
 
-class TargetRefusedError(ShoalError):
-    status_code = 403
-    error_type = "permission_error"
+class TargetRefusedError(PermissionDeniedError):
     code = "target_refused"
 
 

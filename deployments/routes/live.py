@@ -15,10 +15,11 @@ from fastapi import APIRouter, FastAPI, WebSocket, WebSocketDisconnect
 
 from deployments.ingress import Ingress
 from deployments.operator.follower import Broadcaster, Client, EventFollower
-from deployments.routes.operator import manage, operator_call
+from deployments.routes.operator import cross_site, manage, operator_call
 
 logger = logging.getLogger("ray.serve")
 MAX_CLIENT_MESSAGE = 4096
+SEND_TIMEOUT_S = 10.0
 router = APIRouter()
 
 
@@ -47,6 +48,10 @@ async def events(websocket: WebSocket) -> None:
     broadcaster: Broadcaster | None = getattr(websocket.app.state, "broadcaster", None)
     if broadcaster is None:
         await websocket.close(code=1008, reason="the operator API is turned off")
+        return
+    if cross_site(websocket.headers, ingress.config.cors_origins):
+        # Browsers let any page open a WebSocket anywhere: only this site's may.
+        await websocket.close(code=1008, reason="refused: a page from another site")
         return
     await websocket.accept()
     client = broadcaster.join()
@@ -80,7 +85,13 @@ async def _pump(websocket: WebSocket, client: Client, ingress: Ingress) -> None:
                 if dropped in done:
                     await websocket.close(code=1013, reason="too slow: events dropped")
                 return
-            await websocket.send_json(getter.result())
+            # A client that stops reading stalls its send (uvicorn), or, under Serve, the
+            # proxy's buffer grows: either way a send that takes this long drops it.
+            try:
+                await asyncio.wait_for(websocket.send_json(getter.result()), SEND_TIMEOUT_S)
+            except TimeoutError:
+                await websocket.close(code=1013, reason="too slow")
+                return
     finally:
         for task in (reader, dropped):
             task.cancel()

@@ -279,8 +279,8 @@ async def _slot_counts(ingress: Ingress) -> tuple[int, int, list[str]]:
     missing = []
     for model in ingress.served_models():
         live = [e for e in engines if e["engine_name"] == model.name and e["runtime_info"]]
-        if not live:
-            missing.append(model.name)
+        if not live and ingress.config.model(model.name) is not None:
+            missing.append(model.name)  # a run-time alias's absence is the operator's to report
         for e in live:
             info = e["runtime_info"]
             taken = min(info["num_running"] + info["num_waiting"], model.engine.max_num_seqs)

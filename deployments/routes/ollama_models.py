@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
 from deployments.ingress import Ingress, IngressDep
 from deployments.routes.ollama import ollama_error
-from deployments.routes.operator import manage
+from deployments.routes.operator import SameSite, manage
 
 POLL_S = 0.5
 router = APIRouter()
@@ -44,10 +44,14 @@ def split_name(name: str | None) -> tuple[str, str | None, str]:
     return repo, file_path, name.removesuffix(":latest")
 
 
-@router.post("/api/pull")
+@router.post("/api/pull", dependencies=[SameSite])
 async def pull(req: PullRequest, ingress: IngressDep):  # noqa: ANN201 (stream or JSON)
-    repo, file_path, alias = split_name(req.model or req.name)
-    steps = _pull(ingress, repo, file_path, alias)
+    name = (req.model or req.name or "").removesuffix(":latest")
+    if ingress.find_model(name) is not None:  # served already (configured, or pulled)
+        steps = _already(name)
+    else:
+        repo, file_path, alias = split_name(req.model or req.name)
+        steps = _pull(ingress, repo, file_path, alias)
     if req.stream:
         return StreamingResponse(_lines(steps), media_type="application/x-ndjson")
     steps_taken = [step async for step in steps]
@@ -60,6 +64,11 @@ async def _lines(steps: AsyncIterator[dict]) -> AsyncIterator[str]:
             yield json.dumps(step) + "\n"
     except ShoalError as exc:
         yield json.dumps(ollama_error(exc)) + "\n"
+
+
+async def _already(name: str):  # noqa: ANN202
+    yield {"status": "pulling manifest"}
+    yield {"status": "success"}
 
 
 async def _pull(ingress: Ingress, repo: str, file_path: str | None, alias: str):  # noqa: ANN202
@@ -87,7 +96,7 @@ async def _pull(ingress: Ingress, repo: str, file_path: str | None, alias: str):
         if not running or running[0]["status"] not in ("queued", "preparing", "inferring"):
             if running:
                 await manage(ingress, "inference.reset", alias)
-            await manage(ingress, "inference.start", alias, repo, file_path, 0, 0, "")
+            await manage(ingress, "inference.start_alias", alias, repo, file_path, 0, 0, "")
         yield {"status": "loading model"}
         while ingress.find_model(alias) is None:
             items = await manage(ingress, "inference.list", alias)
@@ -104,9 +113,11 @@ class DeleteRequest(BaseModel):
     name: str | None = Field(None, max_length=300)
 
 
-@router.delete("/api/delete")
+@router.delete("/api/delete", dependencies=[SameSite])
 async def delete(req: DeleteRequest, ingress: IngressDep) -> dict:
     repo, file_path, alias = split_name(req.model or req.name)
+    if ingress.config.model(alias) is not None:
+        raise InvalidRequestError(f"'{alias}' is configured: it cannot be deleted", "model")
     found = False
     if await manage(ingress, "inference.list", alias):
         await manage(ingress, "inference.reset", alias)

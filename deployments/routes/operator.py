@@ -8,11 +8,12 @@ Errors take Ollama's shape ({"error": "..."}), as everything under /api/ does.
 
 import logging
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.protocol.errors import NotFoundError
+from app.protocol.errors import NotFoundError, PermissionDeniedError
 from deployments.ingress import Ingress, IngressDep, unwrap
 
 logger = logging.getLogger("ray.serve")
@@ -26,6 +27,26 @@ Repo = Annotated[str, Query(alias="modelRepo", min_length=1, max_length=200)]
 OptionalRepo = Annotated[str | None, Query(alias="modelRepo", max_length=200)]
 FilePath = Annotated[str | None, Query(alias="filePath", max_length=512)]
 Alias = Annotated[str, Query(min_length=1, max_length=128)]
+
+
+def cross_site(headers: Any, allowed_origins: list[str]) -> bool:
+    """Whether a browser sent this from another site's page. These routes change state on
+    a GET (the spec's choice), and a page elsewhere could make a visitor's browser call
+    them: `Sec-Fetch-Site` (every current browser sends it) or `Origin` tells."""
+    origin = headers.get("origin")
+    if origin and origin in allowed_origins:
+        return False
+    if headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+        return True
+    return bool(origin) and urlsplit(origin).netloc != headers.get("host")
+
+
+def same_site(request: Request) -> None:
+    if cross_site(request.headers, request.app.state.ingress.config.cors_origins):
+        raise PermissionDeniedError("refused: a request from another site's page")
+
+
+SameSite = Depends(same_site)
 
 
 async def operator_call(ingress: Ingress, method: str, *args: Any) -> Any:
@@ -62,17 +83,17 @@ async def downloads(
     return {"DownloadItems": await manage(ingress, "downloads.list", model_repo, file_path)}
 
 
-@router.get("/api/downloads/enqueue")
+@router.get("/api/downloads/enqueue", dependencies=[SameSite])
 async def enqueue(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
     return await manage(ingress, "downloads.enqueue", model_repo, file_path)
 
 
-@router.get("/api/downloads/cancel")
+@router.get("/api/downloads/cancel", dependencies=[SameSite])
 async def cancel(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
     return await manage(ingress, "downloads.cancel", model_repo, file_path)
 
 
-@router.get("/api/downloads/reset")
+@router.get("/api/downloads/reset", dependencies=[SameSite])
 async def reset(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
     return await manage(ingress, "downloads.reset", model_repo, file_path)
 
@@ -88,7 +109,7 @@ async def inference_status(ingress: IngressDep, alias: str | None = None) -> lis
     return await manage(ingress, "inference.list", alias)
 
 
-@router.get("/api/inference/start")
+@router.get("/api/inference/start", dependencies=[SameSite])
 async def inference_start(
     ingress: IngressDep,
     alias: Alias,
@@ -104,7 +125,7 @@ async def inference_start(
     ingress reaches them by handle; clients use the alias as `model`."""
     return await manage(
         ingress,
-        "inference.start",
+        "inference.start_alias",
         alias,
         model_repo,
         file_path,
@@ -114,18 +135,18 @@ async def inference_start(
     )
 
 
-@router.get("/api/inference/stop")
+@router.get("/api/inference/stop", dependencies=[SameSite])
 async def inference_stop(ingress: IngressDep, alias: Alias) -> dict:
     return await manage(ingress, "inference.stop", alias)
 
 
-@router.get("/api/inference/reset")
+@router.get("/api/inference/reset", dependencies=[SameSite])
 async def inference_reset(ingress: IngressDep, alias: Alias) -> dict:
     return await manage(ingress, "inference.reset", alias)
 
 
 # ---- shutdown and logs ------------------------------------------------------------------
-@router.get("/api/shutdown")
+@router.get("/api/shutdown", dependencies=[SameSite])
 async def shutdown(ingress: IngressDep) -> dict:
     """Drain: no new requests; open streams finish; then the app is deleted."""
     return await operator_call(ingress, "drain", "api")
@@ -149,7 +170,7 @@ LEVELS = {
 }
 
 
-@router.post("/api/utils/log")
+@router.post("/api/utils/log", dependencies=[SameSite])
 async def log(item: WingmanLogItem) -> dict:
     # One line per item: a client's newlines cannot forge other log lines.
     text = item.message.replace("\r", "\\r").replace("\n", "\\n")

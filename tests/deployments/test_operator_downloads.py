@@ -36,6 +36,20 @@ def hub(tiny_chat):
         yield hub
 
 
+@pytest.fixture(autouse=True)
+def _hub_client_restored():
+    """The operator installs its guarded client in huggingface_hub for the process: the
+    tests after these get huggingface_hub's own back."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils._http import default_client_factory
+
+    xet, chunk = constants.HF_HUB_DISABLE_XET, constants.DOWNLOAD_CHUNK_SIZE
+    yield
+    huggingface_hub.set_client_factory(default_client_factory)
+    constants.HF_HUB_DISABLE_XET, constants.DOWNLOAD_CHUNK_SIZE = xet, chunk
+
+
 def make_config(hub, state: Path, **operator) -> AppConfig:
     tiny = hub.local_dir  # served by name only: its tokenizer loads fast
     return AppConfig.model_validate(
@@ -54,11 +68,22 @@ def make_config(hub, state: Path, **operator) -> AppConfig:
     )
 
 
-def client_for(config: AppConfig) -> TestClient:
-    ingress = Ingress(
-        config, LocalHandle(Tokenizer(config.models)), {}, operator=LocalHandle(Operator(config))
-    )
+def client_for(config: AppConfig, operator: Operator | None = None) -> TestClient:
+    operator = operator or Operator(config)
+    tokenizer = LocalHandle(Tokenizer(config.models))
+    ingress = Ingress(config, tokenizer, {}, operator=LocalHandle(operator))
     return TestClient(create_app(ingress))
+
+
+def crash(operator: Operator) -> None:
+    """Stop the operator's downloads as a dying process would: mid-file, their items
+    still saying `downloading`."""
+    for progress in list(operator.downloads.running.values()):
+        progress.cancel.set()
+    deadline = time.time() + 10
+    while operator.downloads.running:
+        assert time.time() < deadline
+        time.sleep(0.05)
 
 
 def wait_for(client: TestClient, status: str, file_path: str | None = None, timeout_s=60) -> dict:
@@ -121,33 +146,58 @@ def test_cancel_then_resume_after_restart(hub, tiny_chat, tmp_path):
         assert cancelled["status"] == "cancelled"
         kept = cancelled["downloadedBytes"]
         assert 0 < kept < cancelled["totalBytes"]
-    # A new operator on the same database: the truth is reported, and enqueue resumes.
+    # A new operator on the same database: the truth is reported, and enqueue resumes
+    # from the bytes on disk (a Range request), not from the start.
     hub.rate = None
-    hub.requests.clear()
+    hub.ranges.clear()
     with client_for(config) as client:
         listed = client.get("/api/downloads").json()["DownloadItems"]
         assert listed[0]["status"] == "cancelled"
         client.get("/api/downloads/enqueue", params={"modelRepo": REPO})
         wait_for(client, "complete")
+    assert [start for path, start in hub.ranges if path == "model.safetensors"][0] > 0
     weights = (tiny_chat / "model.safetensors").read_bytes()
     assert (tmp_path / "models" / REPO / "model.safetensors").read_bytes() == weights
 
 
-def test_interrupted_download_resumes_when_the_operator_starts(hub, tmp_path):
+def test_interrupted_download_resumes_when_the_operator_starts(hub, tiny_chat, tmp_path):
+    config = make_config(hub, tmp_path)
+    hub.rate = 2 << 20
+    first = Operator(config)
+    with client_for(config, first) as client:
+        client.get("/api/downloads/enqueue", params={"modelRepo": REPO})
+        wait_for(client, "downloading")
+        time.sleep(1.5)
+        crash(first)
+        assert client.get("/api/downloads").json()["DownloadItems"][0]["status"] == "downloading"
+    # The operator stopped while downloading (its item still says so): it resumes alone,
+    # from where it was.
+    hub.rate = None
+    hub.ranges.clear()
+    with client_for(config) as client:
+        client.get("/api/downloads")  # the first call starts the operator's work
+        assert wait_for(client, "complete")["progress"] == 1.0
+    assert [start for path, start in hub.ranges if path == "model.safetensors"][0] > 0
+    weights = (tiny_chat / "model.safetensors").read_bytes()
+    assert (tmp_path / "models" / REPO / "model.safetensors").read_bytes() == weights
+
+
+def test_a_hub_that_ignores_range_still_gives_a_whole_file(hub, tiny_chat, tmp_path):
     config = make_config(hub, tmp_path)
     hub.rate = 2 << 20
     with client_for(config) as client:
         client.get("/api/downloads/enqueue", params={"modelRepo": REPO})
         wait_for(client, "downloading")
         time.sleep(1.0)
-    # The operator stopped while downloading (its item still says so): it resumes alone.
-    hub.rate = None
+        client.get("/api/downloads/cancel", params={"modelRepo": REPO})
+    hub.rate, hub.ignore_range = None, True
     with client_for(config) as client:
-        client.get("/api/downloads")  # the first call starts the operator's work
-        assert wait_for(client, "complete")["progress"] == 1.0
-    ranged = [r for r in hub.requests if "model.safetensors" in r]
-    assert ranged  # fetched again, from where it was (Range is checked by size below)
-    assert (tmp_path / "models" / REPO / "model.safetensors").stat().st_size > 0
+        client.get("/api/downloads/enqueue", params={"modelRepo": REPO})
+        assert wait_for(client, "complete")["downloadedBytes"] == sum(
+            p.stat().st_size for p in tiny_chat.iterdir()
+        )
+    weights = (tiny_chat / "model.safetensors").read_bytes()
+    assert (tmp_path / "models" / REPO / "model.safetensors").read_bytes() == weights
 
 
 def test_refusals(hub, tmp_path):
@@ -163,12 +213,23 @@ def test_refusals(hub, tmp_path):
         assert client.get("/api/downloads/cancel", params={"modelRepo": REPO}).status_code == 404
 
 
-def test_a_redirect_to_a_private_address_is_refused(hub, tmp_path):
-    hub.redirects[(REPO, "config.json")] = "http://169.254.169.254/latest/meta-data"
-    with client_for(make_config(hub, tmp_path)) as client:
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("http://169.254.169.254/latest/meta-data", "not the configured hub"),
+        # An allowed storage host that resolves to loopback: refused for its address.
+        ("http://localhost:{port}/x", "non-public"),
+    ],
+)
+def test_a_redirect_off_the_hub_or_to_a_private_address_is_refused(hub, tmp_path, target, reason):
+    port = hub.url.rsplit(":", 1)[1]
+    hub.redirects[(REPO, "config.json")] = target.format(port=port)
+    config = make_config(hub, tmp_path, storage_hosts=["localhost"])
+    with client_for(config) as client:
         client.get("/api/downloads/enqueue", params={"modelRepo": REPO, "filePath": "config.json"})
         item = wait_for(client, "error", "config.json")
-        assert "169.254.169.254" in item["error"]
+        assert reason in item["error"]
+    assert not any(path == "/x" for path in hub.requests)
 
 
 def test_the_hub_itself_is_refused_on_loopback_unless_trusted(hub, tmp_path):
@@ -209,19 +270,43 @@ def test_ssrf_public_hosts_and_the_allow_list():
         policy.address("evil.example", 443)
 
 
-def test_dns_rebinding_connects_only_to_the_checked_address(hub):
-    """The name answers a public address, then loopback: the guard resolves once and
-    connects to what it checked, so no second lookup can move the connection."""
-    answers = iter([["93.184.216.34"], ["127.0.0.1"]])
-    policy = HostPolicy(["rebind.test"], resolver=lambda host, port: next(answers))
+def test_the_connection_goes_to_the_address_checked_never_a_second_lookup(hub):
+    """DNS rebinding needs a second lookup between the check and the connect. The guard
+    resolves once and connects to that address: `rebind.test` (which no DNS server
+    knows) reaches the hub through the one answer the guard checked, and the resolver
+    was asked once."""
+    asked = []
+
+    def resolver(host: str, port: int) -> list[str]:
+        asked.append(host)
+        return ["127.0.0.1"]
+
     port = hub.url.rsplit(":", 1)[1]
-    with guarded_client(policy, timeout_s=2) as client, pytest.raises(Exception) as info:
+    trusted = HostPolicy(["rebind.test"], private_hosts=["rebind.test"], resolver=resolver)
+    with guarded_client(trusted, timeout_s=5) as client:
+        assert client.get(f"http://rebind.test:{port}/api/models/{REPO}").status_code == 200
+    assert asked == ["rebind.test"]
+    # Untrusted, the same answer is refused before any connection is made.
+    hub.requests.clear()
+    policy = HostPolicy(["rebind.test"], resolver=resolver)
+    with guarded_client(policy, timeout_s=5) as client, pytest.raises(TargetRefusedError):
         client.get(f"http://rebind.test:{port}/api/models/{REPO}")
-    # It tried the public address (unreachable here), never the hub on loopback.
-    assert not any(r.startswith("/api/models") for r in hub.requests), info.value
-    # And a name that resolves to loopback first is refused before connecting.
-    with pytest.raises(TargetRefusedError):
-        policy.address("rebind.test", 80)
+    assert hub.requests == []
+
+
+def test_requests_from_another_sites_page_are_refused(hub, tmp_path):
+    with client_for(make_config(hub, tmp_path)) as client:
+        for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Origin": "https://evil.example"}):
+            r = client.get("/api/shutdown", headers=headers)
+            assert r.status_code == 403 and "another site" in r.json()["error"]
+            with (
+                pytest.raises(WebSocketDisconnect),
+                client.websocket_connect("/ws", headers=headers),
+            ):
+                pass
+        same = {"Sec-Fetch-Site": "same-origin", "Origin": "http://testserver"}
+        ok = client.post("/api/utils/log", json={"message": "same site"}, headers=same)
+        assert ok.status_code == 200
 
 
 def test_websocket_gets_download_events_in_order(hub, tmp_path):

@@ -199,6 +199,68 @@ def test_ollama_pull_runs_and_delete_removes(ops):
     assert missing.value.status_code == 404
 
 
+def alias_replicas(url: str, alias: str, timeout_s: float = 30) -> set[str]:
+    deadline = time.time() + timeout_s
+    while True:
+        engines = httpx.get(f"{url}/engines").json()["engines"]
+        ids = {e["engine_id"] for e in engines if e["engine_name"] == alias}
+        if ids:
+            return ids
+        assert time.time() < deadline, engines
+        time.sleep(0.5)
+
+
+def test_a_restarted_operator_serves_its_aliases_again(ops):
+    """The operator's replica dies: its successor reads the aliases from the database,
+    finds the alias's application still running and serves it again, unrestarted."""
+    import ray
+
+    assert httpx.get(f"{ops}/api/downloads/enqueue", params={"modelRepo": REPO}).status_code == 200
+    deadline = time.time() + 60
+    while (
+        httpx.get(f"{ops}/api/downloads", params={"filePath": ""}).json()["DownloadItems"][0][
+            "status"
+        ]
+        != "complete"
+    ):
+        assert time.time() < deadline
+        time.sleep(0.3)
+    httpx.get(f"{ops}/api/inference/start", params={"alias": "tiny-c", "modelRepo": REPO})
+    before = wait_status(ops, "tiny-c", "inferring")
+    replicas = alias_replicas(ops, "tiny-c")
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::ops#Operator#")
+    ]
+    assert len(names) == 1
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    deadline = time.time() + 120
+    while True:  # a new replica answers (the old one's items are read again)
+        try:
+            items = httpx.get(f"{ops}/api/inference/status", timeout=5).json()
+            if isinstance(items, list) and items:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "no new operator"
+        time.sleep(0.5)
+    after = wait_status(ops, "tiny-c", "inferring")
+    assert after["created"] == before["created"]
+    assert alias_replicas(ops, "tiny-c") == replicas  # the same replica: not redeployed
+    client = openai.OpenAI(base_url=f"{ops}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model="tiny-c", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert reply.usage.completion_tokens > 0
+    assert (
+        httpx.get(f"{ops}/api/inference/reset", params={"alias": "tiny-c"}, timeout=120).json()[
+            "status"
+        ]
+        == "complete"
+    )
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
 def test_the_page_in_a_real_browser(ops, tmp_path):
     from playwright.sync_api import sync_playwright

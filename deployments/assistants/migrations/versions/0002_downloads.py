@@ -17,6 +17,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "downloads",
+        sa.Column("app", sa.String(length=128), nullable=False),
         sa.Column("model_repo", sa.String(length=200), nullable=False),
         sa.Column("file_path", sa.String(length=512), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
@@ -27,7 +28,7 @@ def upgrade() -> None:
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("created", sa.Integer(), nullable=False),
         sa.Column("updated", sa.Integer(), nullable=False),
-        sa.PrimaryKeyConstraint("model_repo", "file_path"),
+        sa.PrimaryKeyConstraint("app", "model_repo", "file_path"),
     )
 
 
