@@ -43,6 +43,10 @@ class Deployer(Protocol):
 
     def is_running(self, alias: str) -> bool: ...
 
+    def app_for(self, alias: str) -> str: ...
+
+    def teardown(self, apps: list[str], own: str) -> None: ...
+
 
 class ItemStore(Protocol):
     """Where items outlive the operator (inference_store.py)."""

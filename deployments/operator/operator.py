@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray import serve
 
 from app.protocol.errors import ConflictError, OverloadedError
@@ -189,8 +188,7 @@ class Operator:
         await asyncio.sleep(0.5)  # lets the last events reach the followers
         apps = [self.deployer.app_for(a) for a in self.inference.items]
         await self.inference.end_all()  # a shut-down app starts again without its aliases
-        teardown = Teardown.options(lifetime="detached", num_cpus=0).remote()
-        teardown.run.remote(apps, self.app_name)
+        self.deployer.teardown(apps, self.app_name)
 
 
 def _timings(alias: str, infos: list[dict]) -> dict[str, Any]:
@@ -209,22 +207,6 @@ def _timings(alias: str, infos: list[dict]) -> dict[str, Any]:
             "kv_usage": max((i.get("kv_usage", 0.0) for i in infos), default=0.0),
         },
     }
-
-
-@ray.remote(num_cpus=0)
-class Teardown:
-    """Deletes the applications from outside them (the operator is one of their replicas),
-    then leaves."""
-
-    def run(self, apps: list[str], own: str) -> None:
-        for app in [*apps, own]:
-            try:
-                serve.delete(app)
-            except Exception as exc:
-                logger.warning("teardown: deleting %s failed: %r", app, exc)
-        if not serve.status().applications:
-            serve.shutdown()
-        ray.actor.exit_actor()
 
 
 OperatorDeployment = serve.deployment(Operator, name="Operator")

@@ -2,12 +2,16 @@
 the Shoal app that started it, with no HTTP route (the ingress reaches it by handle)."""
 
 import hashlib
+import logging
 import re
 from typing import Any
 
+import ray
 from ray import serve
 
 from deployments.config import ModelDeploymentConfig
+
+logger = logging.getLogger("ray.serve")
 
 
 def serve_name(name: str) -> str:
@@ -48,5 +52,26 @@ class ServeDeployer:
         app = serve.status().applications.get(self.app_for(alias))
         return app is not None and app.status == "RUNNING"
 
+    def teardown(self, apps: list[str], own: str) -> None:
+        """Delete `apps` and this app from outside them (the caller is one of their
+        replicas), then Serve itself if nothing else runs on it. Returns at once."""
+        Teardown.options(lifetime="detached", num_cpus=0).remote().run.remote(apps, own)
+
     def handle(self, alias: str) -> Any:
         return serve.get_deployment_handle(model_deployment_name(alias), self.app_for(alias))
+
+
+@ray.remote(num_cpus=0)
+class Teardown:
+    """Deletes the applications from outside them (the operator is one of their replicas),
+    then leaves."""
+
+    def run(self, apps: list[str], own: str) -> None:
+        for app in [*apps, own]:
+            try:
+                serve.delete(app)
+            except Exception as exc:
+                logger.warning("teardown: deleting %s failed: %r", app, exc)
+        if not serve.status().applications:
+            serve.shutdown()
+        ray.actor.exit_actor()

@@ -14,6 +14,7 @@ from deployments.config import AppConfig
 from deployments.ingress import Ingress
 from deployments.ingress_app import create_app
 from deployments.operator.operator import Operator
+from deployments.operator.serve_deployer import ServeDeployer
 from deployments.operator.url_guard import HostPolicy, TargetRefusedError, guarded_client
 from deployments.tokenizer import Tokenizer
 from tests.fixture_hub import fixture_hub, save_tiny_chat_model
@@ -345,3 +346,37 @@ def test_client_log_lines(hub, tmp_path, caplog):
         assert bad.status_code == 400
         big = client.post("/api/utils/log", json={"level": "info", "message": "x" * 9000})
         assert big.status_code == 400
+
+
+class TeardownRecorder(ServeDeployer):
+    """Serve's deployer whose last step, deleting the applications, is recorded instead
+    (in-process there is no Serve to delete them from)."""
+
+    def __init__(self) -> None:
+        super().__init__("local", None)
+        self.torn_down: list[tuple[list[str], str]] = []
+
+    def teardown(self, apps: list[str], own: str) -> None:
+        self.torn_down.append((apps, own))
+
+
+def test_shutdown_over_the_websocket_drains(hub, tmp_path):
+    deployer = TeardownRecorder()
+    operator = Operator(make_config(hub, tmp_path), deployer=deployer)
+    with client_for(make_config(hub, tmp_path), operator) as client:
+        with client.websocket_connect("/ws") as ws:
+            ws.send_json({"type": "shutdown"})
+            states = []
+            while "stopping" not in states:
+                event = ws.receive_json()
+                if event["event"] == "status":
+                    states.append(event["data"]["state"])
+            assert states == ["draining", "stopping"]
+        r = client.get("/v1/models")
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        deadline = time.time() + 10
+        while not deployer.torn_down:  # after the drain, the apps are deleted
+            assert time.time() < deadline
+            time.sleep(0.1)
+    assert deployer.torn_down == [([], "local")]
