@@ -63,6 +63,9 @@ class EventFollower:
         self.replica = _replica_id()
         self._reporter: asyncio.Task | None = None
         self._retry = False  # an alias failed to load here: try again at the next poll
+        # Set once the first poll has fixed where this replica starts in the log: a client
+        # that joins before it would miss what the first batch held.
+        self.ready = asyncio.Event()
 
     async def run(self) -> None:
         seq, first = 0, True
@@ -89,6 +92,7 @@ class EventFollower:
                 if not first:  # a new follower does not replay the log to its clients
                     self.broadcaster.send(event)
             seq, first = batch["seq"], False
+            self.ready.set()
 
     async def _sync_models(self) -> None:
         try:

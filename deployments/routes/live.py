@@ -20,6 +20,7 @@ from deployments.routes.operator import cross_site, manage, operator_call
 logger = logging.getLogger("ray.serve")
 MAX_CLIENT_MESSAGE = 4096
 SEND_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 30.0
 router = APIRouter()
 
 
@@ -27,7 +28,7 @@ def install(app: FastAPI, ingress: Ingress) -> None:
     if ingress.operator is None:
         return
     broadcaster = app.state.broadcaster = Broadcaster()
-    follower = EventFollower(ingress, broadcaster)
+    follower = app.state.follower = EventFollower(ingress, broadcaster)
     tasks: list[asyncio.Task] = []
 
     async def start() -> None:
@@ -54,6 +55,8 @@ async def events(websocket: WebSocket) -> None:
         await websocket.close(code=1008, reason="refused: a page from another site")
         return
     await websocket.accept()
+    with contextlib.suppress(TimeoutError):  # the operator starting: events come later
+        await asyncio.wait_for(websocket.app.state.follower.ready.wait(), READY_TIMEOUT_S)
     client = broadcaster.join()
     try:
         snapshot = [
