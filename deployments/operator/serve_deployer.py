@@ -57,9 +57,6 @@ class ServeDeployer:
         replicas), then Serve itself if nothing else runs on it. Returns at once."""
         Teardown.options(lifetime="detached", num_cpus=0).remote().run.remote(apps, own)
 
-    def handle(self, alias: str) -> Any:
-        return serve.get_deployment_handle(model_deployment_name(alias), self.app_for(alias))
-
 
 @ray.remote(num_cpus=0)
 class Teardown:

@@ -132,6 +132,13 @@ def test_download_progress_filter_and_reset(hub, tiny_chat, tmp_path):
         assert client.get("/api/downloads", params={"filePath": ""}).json()["DownloadItems"] == []
 
 
+def assert_resumed_whole(hub, tiny_chat: Path, state: Path) -> None:
+    """The weights were fetched again from a byte past 0 (Range), and are whole."""
+    assert [start for path, start in hub.ranges if path == "model.safetensors"][0] > 0
+    weights = (tiny_chat / "model.safetensors").read_bytes()
+    assert (state / "models" / REPO / "model.safetensors").read_bytes() == weights
+
+
 def test_cancel_then_resume_after_restart(hub, tiny_chat, tmp_path):
     config = make_config(hub, tmp_path)
     hub.rate = 2 << 20  # 2 MB/s: a ~13 MB repo takes seconds
@@ -156,9 +163,7 @@ def test_cancel_then_resume_after_restart(hub, tiny_chat, tmp_path):
         assert listed[0]["status"] == "cancelled"
         client.get("/api/downloads/enqueue", params={"modelRepo": REPO})
         wait_for(client, "complete")
-    assert [start for path, start in hub.ranges if path == "model.safetensors"][0] > 0
-    weights = (tiny_chat / "model.safetensors").read_bytes()
-    assert (tmp_path / "models" / REPO / "model.safetensors").read_bytes() == weights
+    assert_resumed_whole(hub, tiny_chat, tmp_path)
 
 
 def test_interrupted_download_resumes_when_the_operator_starts(hub, tiny_chat, tmp_path):
@@ -178,9 +183,7 @@ def test_interrupted_download_resumes_when_the_operator_starts(hub, tiny_chat, t
     with client_for(config) as client:
         client.get("/api/downloads")  # the first call starts the operator's work
         assert wait_for(client, "complete")["progress"] == 1.0
-    assert [start for path, start in hub.ranges if path == "model.safetensors"][0] > 0
-    weights = (tiny_chat / "model.safetensors").read_bytes()
-    assert (tmp_path / "models" / REPO / "model.safetensors").read_bytes() == weights
+    assert_resumed_whole(hub, tiny_chat, tmp_path)
 
 
 def test_a_hub_that_ignores_range_still_gives_a_whole_file(hub, tiny_chat, tmp_path):
