@@ -17,11 +17,12 @@ from fastapi import Depends, Request
 from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
-from app.models.tokenizer import load_tokenizer
+from app.models.tokenizer import load_tokenizer, tools_template
 from app.protocol.errors import ShoalError
 from app.protocol.messages import ContextOp, EngineRequest
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
+from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
 from deployments.generation import Generation, overloaded
 from deployments.metrics import IngressMetrics, TokenTimer
@@ -165,9 +166,18 @@ class Ingress:
         source = self.model(model).engine.model
         return await self.tokenizer.encode.remote(model, text, add_special_tokens, source)
 
-    async def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_chat(
+        self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None = None
+    ) -> list[int]:
         source = self.model(model).engine.model
-        return await self.tokenizer.encode_chat.remote(model, messages, source)
+        try:
+            return await self.tokenizer.encode_chat.remote(model, messages, source, tools)
+        except Exception as exc:
+            raise unwrap(exc) from None
+
+    def tool_format(self, model: str) -> ToolFormat:
+        """The tool-call syntax of the template that renders this model's tools."""
+        return tool_format(tools_template(self.tokenizers[model]))
 
 
 def ingress_of(request: Request) -> Ingress:

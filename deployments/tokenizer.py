@@ -35,13 +35,19 @@ class Tokenizer:
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def encode_chat(
-        self, model: str, messages: list[dict[str, Any]], source: str | None = None
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        source: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tokenizer = self._get(model, source)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
         try:
-            return chat_token_ids(tokenizer, messages)
+            return chat_token_ids(tokenizer, messages, tools)
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # template errors (e.g. role order) are the client's
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 

@@ -65,6 +65,11 @@ class EngineConfig(BaseModel):
         description="auto: FlashAttention on CUDA when flash_attn imports and block_size is a "
         "multiple of 256, else torch (C++ kernels on CPU, gathers + SDPA on GPU).",
     )
+    structured_outputs: bool = Field(
+        True,
+        description="Constrained decoding (JSON schemas, regexes, grammars, tool calls); "
+        "loads the model's vocabulary for the grammar library at start-up.",
+    )
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
 
     @cached_property

@@ -18,6 +18,7 @@ from app.engine import offline
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.contexts import ContextStore
+from app.engine.grammar import GrammarBackend, StepMasks
 from app.engine.model_runner import load_runner
 from app.engine.requests import RequestTable, delta
 from app.engine.sampler import Sampler
@@ -29,7 +30,7 @@ from app.models.loader import LoadedModel
 from app.models.parallel import TPGroup
 from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import ContextAction, ContextOp
-from app.protocol.outputs import RequestOutput, SlotInfo, TokenDelta
+from app.protocol.outputs import FinishReason, RequestOutput, SlotInfo, TokenDelta
 from app.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
         self.requests = RequestTable(self.scheduler, self.contexts)
+        self.grammar: GrammarBackend | None = None
+        if config.structured_outputs:
+            eos = self.arch.eos_token_ids
+            self.grammar = GrammarBackend(self.source, self.arch.vocab_size, eos)
         self._failed_forwards = 0  # in a row; past MAX_FAILED_FORWARDS the engine is broken
         self._stalled_since: float | None = None  # work waiting, nothing scheduled
         self.last_step_scheduled = False
@@ -94,20 +99,32 @@ class LLMEngine:
         if context is not None and context.action is ContextAction.FILL:
             params = FILL_PARAMS
         check_params(params, vocab)
+        matcher = self._matcher(params)
         with self.lock:
             self.requests.check_unused(request_id)
             if context is None:
                 seq = Sequence(request_id, tokens, params, 0, time.monotonic())
+                seq.matcher = matcher
                 self.scheduler.add(seq)
             else:
                 seq = self.contexts.start(request_id, context, tokens, params)
                 seq.arrival = time.monotonic()
+                seq.matcher = matcher
                 try:
                     self.scheduler.add(seq)
                 except BaseException:
                     self.contexts.release(seq)
                     raise
             self.requests.add(seq)
+
+    def _matcher(self, params: SamplingParams):  # noqa: ANN202 (llguidance's LLMatcher)
+        """A constrained request's matcher, built before it is queued, so that a bad
+        schema or grammar is refused (400) rather than failing in a step."""
+        if params.constraint is None:
+            return None
+        if self.grammar is None:
+            raise InvalidRequestError("structured outputs are turned off for this model")
+        return self.grammar.matcher(params.constraint)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: its blocks are freed before this returns. False when the
@@ -151,6 +168,9 @@ class LLMEngine:
             s.num_contexts_resident, s.num_context_tokens = c.num_resident, c.num_tokens
             s.num_context_evictions, s.num_context_drops = c.num_evictions, c.num_drops
             s.stalled_s = self.stalled_s
+            if self.grammar is not None:
+                s.grammar_mask_steps = self.grammar.mask_steps
+                s.grammar_mask_s = self.grammar.mask_seconds
             return s.as_dict()
 
     @property
@@ -176,8 +196,10 @@ class LLMEngine:
         if not batch.seqs:
             return deltas
         prefill_tokens = num_prefill_tokens(batch)  # before the forward moves them on
+        masking = self._start_masks(batch)  # on the grammar's thread, while the model runs
         try:
             logits, sampled = self.runner.run(batch)
+            masks = None if masking is None else masking.result()
             self._failed_forwards = 0
         except Exception as exc:
             self._failed_forwards += 1
@@ -186,7 +208,7 @@ class LLMEngine:
             return deltas + self._fail_batch(batch, exc)
         with self.lock:
             self.scheduler.on_computed(batch)
-            num_sampled = self._postprocess(logits, sampled, deltas)
+            num_sampled = self._postprocess(logits, sampled, deltas, masks)
             deltas += self.requests.take_ended()  # those of requests that failed here
             self.requests.forget_finished(deltas)
             self.stats.record_step(batch.num_tokens, len(batch), num_sampled, prefill_tokens)
@@ -194,8 +216,22 @@ class LLMEngine:
             self._record_state()
         return deltas
 
+    def _start_masks(self, batch: ScheduledBatch):  # noqa: ANN202 (a Future or None)
+        if self.grammar is None:
+            return None
+        due = [
+            seq
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if seq.num_computed_tokens + n == seq.num_tokens  # sampled in this step
+        ]
+        return self.grammar.start_masks(due)
+
     def _postprocess(
-        self, logits: torch.Tensor, sampled: list[Sequence], deltas: list[TokenDelta]
+        self,
+        logits: torch.Tensor,
+        sampled: list[Sequence],
+        deltas: list[TokenDelta],
+        masks: StepMasks | None = None,
     ) -> int:
         """Sample each due sequence's next token, append it, and add its delta to
         `deltas`; returns how many sequences were sampled (forks included)."""
@@ -204,7 +240,20 @@ class LLMEngine:
             return 0
         if rows != list(range(len(sampled))):
             logits = logits[rows]  # (S', vocab): a fork samples from its parent's row
-        for seq, picked in zip(seqs, self.sampler.sample_each(logits, seqs), strict=True):
+        forbidden = None
+        if masks is not None:
+            for seq in seqs:
+                if seq.seq_id in masks.errors:
+                    message = f"the output's grammar failed: {masks.errors[seq.seq_id]}"
+                    self.requests.fail(seq.request_id, InvalidRequestError(message))
+            # A fork's first token follows its parent's mask (the same matcher state).
+            due = [
+                sampled[r].seq_id if s.matcher is not None else None
+                for r, s in zip(rows, seqs, strict=True)
+            ]
+            forbidden = masks.forbidden(due)
+        picks = self.sampler.sample_each(logits, seqs, forbidden)
+        for seq, picked in zip(seqs, picks, strict=True):
             if seq.is_finished:
                 continue  # its request failed earlier in this step
             try:
@@ -212,6 +261,8 @@ class LLMEngine:
                     raise picked
                 token, lp = picked
                 self.scheduler.append_token(seq, token)
+                if seq.matcher is not None:
+                    self._advance_matcher(seq, token)
                 if lp is not None:
                     seq.logprobs.append(lp)
                 deltas.append(delta(seq, (token,), lp))
@@ -220,6 +271,15 @@ class LLMEngine:
             except Exception as exc:
                 self.requests.fail(seq.request_id, exc)
         return len(seqs)
+
+    def _advance_matcher(self, seq: Sequence, token: int) -> None:
+        """Feed the sampled token to the sequence's grammar; end the output once the
+        grammar allows nothing more (no EOS step needed)."""
+        if not seq.matcher.consume_token(token):
+            error = seq.matcher.get_error() or f"token {token} is not allowed"
+            raise InvalidRequestError(f"the output's grammar failed: {error.splitlines()[0]}")
+        if seq.matcher.is_stopped():
+            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _note_progress(self, scheduled: bool) -> None:
         self.last_step_scheduled = scheduled

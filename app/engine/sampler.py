@@ -1,7 +1,8 @@
 """Sampler: logits -> next tokens, one row per sequence, batched where it pays.
 
 Order of operations (as in vLLM): raw logprobs are taken from the model's logits;
-then logit_bias, min_tokens masking and penalties; then greedy argmax, or temperature,
+then logit_bias, min_tokens masking and penalties; then a constrained row's grammar mask
+(app.engine.grammar: every token it does not allow is -inf); then greedy argmax, or temperature,
 top-k, top-p, min-p and a draw. A draw is argmax(probs / E) with E ~ Exp(1), and a
 seeded sequence draws E from its own generator, so its output never depends on what
 else is in the batch.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.grammar import Forbidden
 from app.engine.sequence import Sequence
 from app.protocol.outputs import TokenLogprob
 
@@ -40,15 +42,18 @@ class Sampler:
         return self.generators[device]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], forbidden: Forbidden | None = None
+    ) -> SampleResult:
         # logits: (S, V) in the model's dtype, on the model's device
         if all(_plain_greedy(s) for s in seqs):
-            return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(seqs))
-        logits = logits.float()
+            picked = _masked(logits, logits.float(), forbidden).argmax(dim=-1)
+            return SampleResult(picked.tolist(), [None] * len(seqs))
+        given, logits = logits, logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._adjust(logits, seqs)
+        logits = _masked(given, self._adjust(logits, seqs), forbidden)
         tokens = self._pick(logits, seqs)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -60,19 +65,21 @@ class Sampler:
                     )
         return SampleResult(token_list, logprobs)
 
-    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked]:
+    def sample_each(
+        self, logits: torch.Tensor, seqs: list[Sequence], forbidden: Forbidden | None = None
+    ) -> list[Picked]:
         """The batch's tokens; if sampling the batch fails, row by row, so that only the
         sequences whose rows fail get an exception (one bad request's params never end
         the others')."""
         try:
-            result = self(logits, seqs)
+            result = self(logits, seqs, forbidden)
             return list(zip(result.token_ids, result.logprobs, strict=True))
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling row by row", len(seqs))
         picked: list[Picked] = []
         for i, seq in enumerate(seqs):
             try:
-                one = self(logits[i : i + 1], [seq])
+                one = self(logits[i : i + 1], [seq], forbidden and forbidden.row(i))
                 picked.append((one.token_ids[0], one.logprobs[0]))
             except Exception as exc:
                 picked.append(exc)
@@ -134,6 +141,18 @@ class Sampler:
                 noise[i] = row.to(dev)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _masked(given: torch.Tensor, logits: torch.Tensor, forbidden: Forbidden | None) -> torch.Tensor:
+    """`logits` (float32, derived from `given`) with the tokens a constrained row's grammar
+    forbids at -inf; in place unless `logits` still is `given` (which a retry samples
+    again)."""
+    if forbidden is None:
+        return logits
+    if logits.data_ptr() == given.data_ptr():
+        logits = logits.clone()
+    forbidden.apply_(logits)
+    return logits
 
 
 def _plain_greedy(seq: Sequence) -> bool:

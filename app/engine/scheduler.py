@@ -248,3 +248,4 @@ class Scheduler:
         # else: the engine hands the blocks to the context (ContextStore.settle)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.matcher = None

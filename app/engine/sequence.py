@@ -50,6 +50,7 @@ class Sequence:
         self.passed_over = 0  # admissions of later requests while this one had no seats
         self.generator: torch.Generator | None = None
         self.context = None  # a contexts.ContextOp when this request runs on a context
+        self.matcher = None  # llguidance's state of a constrained output (app.engine.grammar)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 
@@ -83,6 +84,8 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
+        if self.matcher is not None:  # forks happen before the first token: same state
+            child.matcher = self.matcher.deep_copy()
         return child
 
     def __repr__(self) -> str:

@@ -42,6 +42,8 @@ class EngineStats:
     num_generated_tokens: int = 0
     last_step_time_s: float = 0.0
     stalled_s: float = 0.0  # work waiting and nothing scheduled for this long
+    grammar_mask_steps: int = 0  # steps that computed grammar masks (constrained outputs)
+    grammar_mask_s: float = 0.0  # their summed mask time (overlapped with the forward)
 
     @property
     def kv_usage(self) -> float:

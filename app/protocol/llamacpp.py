@@ -1,9 +1,13 @@
 """llama.cpp server request schemas (the fields with a meaning here) and their mapping
 onto neutral SamplingParams."""
 
+import json
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.protocol.sampling import SamplingParams, sampling_params
+from app.protocol.errors import InvalidRequestError
+from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams, sampling_params
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 
 
@@ -49,6 +53,20 @@ class LlamaCompletionRequest(BaseModel):
     cache_prompt: bool = True
     id_slot: int = -1
     model: str | None = None
+    json_schema: dict[str, Any] | None = None  # the output must match it
+    grammar: str | None = Field(None, max_length=MAX_CONSTRAINT_CHARS)  # GBNF, as llama.cpp's
+
+    def constraint(self) -> Constraint | None:
+        if self.json_schema is not None and self.grammar:
+            raise InvalidRequestError("give json_schema or grammar, not both", "grammar")
+        if self.grammar:
+            return Constraint(kind="grammar", spec=self.grammar)
+        if self.json_schema is not None:
+            spec = json.dumps(self.json_schema)
+            if len(spec) > MAX_CONSTRAINT_CHARS:
+                raise InvalidRequestError("json_schema is too large", "json_schema")
+            return Constraint(kind="json", spec=spec)
+        return None
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         fields = dict(
@@ -62,6 +80,7 @@ class LlamaCompletionRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             seed=None if self.seed < 0 else self.seed,
             ignore_eos=self.ignore_eos,
+            constraint=self.constraint(),
         )
         names = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
         return sampling_params(fields, names)

@@ -1,16 +1,25 @@
 """Ollama's request schemas and their mapping onto neutral SamplingParams.
 
 Lenient where Ollama is (unknown fields and runtime options are ignored), strict on what
-we cannot honour: `format`, `think`, `tools`, `images` and `suffix` are refused by the
-routes rather than silently ignored.
+we cannot honour: `think`, `images` and `suffix` are refused by the routes rather than
+silently ignored. `format` ("json" or a JSON schema) constrains the output; `tools` are
+OpenAI-shaped, and calls come back in `message.tool_calls` with arguments as objects.
 """
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import MAX_SEED, SamplingParams, sampling_params
+from app.protocol.openai_structured import ToolDef
+from app.protocol.sampling import (
+    MAX_CONSTRAINT_CHARS,
+    MAX_SEED,
+    Constraint,
+    SamplingParams,
+    sampling_params,
+)
 from app.text.go_template import MAX_TEMPLATE_BYTES
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 
@@ -32,7 +41,9 @@ class OllamaOptions(BaseModel):
     frequency_penalty: float | None = None
     num_ctx: int | None = Field(None, ge=1)
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(
+        self, default_max_tokens: int, constraint: Constraint | None = None
+    ) -> SamplingParams:
         """Ollama's defaults where an option is not given (temperature 0.8, top_k 40, ...)."""
         fields: dict[str, Any] = {
             "max_tokens": default_max_tokens
@@ -46,6 +57,7 @@ class OllamaOptions(BaseModel):
             "repetition_penalty": 1.1 if self.repeat_penalty is None else self.repeat_penalty,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
+            "constraint": constraint,
         }
         names = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
         return sampling_params(fields, names, prefix="options.")
@@ -62,7 +74,7 @@ class OllamaRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     stream: bool = True
-    format: str | dict | None = None  # JSON-constrained output: not served yet
+    format: str | dict | None = None  # "json", or a JSON schema the output must match
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     keep_alive: str | int | float | None = None
     think: bool | str | None = None  # reasoning output: not served yet
@@ -72,12 +84,18 @@ class OllamaRequest(BaseModel):
             raise InvalidRequestError(
                 "think (reasoning output) is not supported by this server", "think"
             )
-        if self.format is not None:
-            raise InvalidRequestError(
-                "format (JSON-constrained output) is not supported yet: Shoal cannot "
-                "guarantee valid JSON, so it refuses rather than return text that may not parse",
-                "format",
-            )
+
+    def constraint(self) -> Constraint | None:
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return Constraint(kind="json", spec='{"type": "object"}')
+        if not isinstance(self.format, dict):
+            raise InvalidRequestError('format must be "json" or a JSON schema', "format")
+        spec = json.dumps(self.format)
+        if len(spec) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(f"format is over {MAX_CONSTRAINT_CHARS} characters", "format")
+        return Constraint(kind="json", spec=spec)
 
 
 class OllamaGenerateRequest(OllamaRequest):
@@ -90,17 +108,39 @@ class OllamaGenerateRequest(OllamaRequest):
     suffix: str | None = None  # not served: refused when given
 
 
+class OllamaFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None  # not served: refused when given
-    tool_calls: list[dict[str, Any]] | None = None  # not served: refused when given
+    tool_calls: list[OllamaToolCall] | None = None  # an assistant's earlier calls
+    tool_name: str | None = None  # the tool a tool message answers
+
+    def template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": c.function.model_dump()} for c in self.tool_calls
+            ]
+        if self.tool_name:
+            message["name"] = self.tool_name
+        return message
 
 
 class OllamaChatRequest(OllamaRequest):
     messages: list[OllamaMessage] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None  # not served: refused when given
+    tools: list[ToolDef] | None = None  # OpenAI's shape; the model decides when to call
 
 
 class OllamaEmbedRequest(BaseModel):

@@ -2,30 +2,34 @@
 
 Strict, as OpenAI is: an unknown field is a 400 that names it ("Unrecognized request
 argument supplied"), and a field of OpenAI's API that this server does not honour yet
-(tools, response_format, ...) is a 400 that says so, rather than a 200 that silently
-ignores it. Such a field is accepted only with a value that asks for nothing (`tools: []`,
+(audio, prediction, ...) is a 400 that says so, rather than a 200 that silently
+ignores it. Structured outputs and tools are in app.protocol.openai_structured. Such a field is accepted only with a value that asks for nothing (`tools: []`,
 `response_format: {"type": "text"}`). vLLM's sampling extensions that are honoured are
 accepted too. Ranges are OpenAI's (temperature 0-2, ...).
 """
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS, SamplingParams
+from app.protocol.openai_structured import StructuredFields, ToolFields
+from app.protocol.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+    Constraint,
+    SamplingParams,
+)
 from app.protocol.sampling import sampling_params as build_sampling_params
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 
 # Fields of OpenAI's (or vLLM's) API that a later feature will honour; until then a request
 # that uses one gets a 400 naming it. The value that asks for nothing is accepted.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "reasoning_effort": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -34,11 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "metadata": (None, {}),
     "service_tier": (None, "auto", "default"),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
@@ -71,7 +70,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(StructuredFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -117,25 +116,60 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def template_call(self) -> dict[str, Any]:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(
+                f"tool call {self.id!r}: arguments are not valid JSON ({exc})", "messages"
+            ) from exc
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    # An earlier turn's tool call, and a tool's answer: refused until tools are served.
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    function_call: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    function_call: dict[str, Any] | None = None  # the deprecated form: refused
 
     @model_validator(mode="after")
-    def _no_tools(self) -> "ChatMessage":
-        for key in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(self, key):
-                raise InvalidRequestError(f"messages[].{key} {NOT_SUPPORTED}", param="messages")
-        if self.role == "tool":
-            raise InvalidRequestError(f"messages with role 'tool' {NOT_SUPPORTED}", "messages")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.function_call:
+            raise InvalidRequestError(f"messages[].function_call {NOT_SUPPORTED}", "messages")
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequestError("only assistant messages have tool_calls", "messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError("a tool message needs tool_call_id", "messages")
         return self
+
+    def template_message(self) -> dict[str, Any]:
+        """This message as chat templates take it: tool call arguments as objects."""
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.template_call() for c in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -150,21 +184,14 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ToolFields, _Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            message = {"role": role, "content": m.text()}
-            if m.name:
-                message["name"] = m.name
-            out.append(message)
-        return out
+        return [m.template_message() for m in self.messages]
 
 
 class EmbeddingRequest(BaseModel):
@@ -181,7 +208,10 @@ def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     default_max_tokens: int,
     num_logprobs: int | None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
+    """`constraint`: what the output must match (from the request's structured-output
+    fields, or a forced tool call)."""
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -209,6 +239,7 @@ def sampling_params(
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        constraint=constraint,
     )
     names = {}
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:

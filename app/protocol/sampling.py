@@ -1,5 +1,6 @@
 """SamplingParams: how to pick tokens and when to stop, validated once at the edge."""
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -10,6 +11,27 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # seeds are int64 everywhere (torch, vLLM); n outputs use seed + index
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema or grammar's text; the compiler has its own caps
+
+
+class ConstraintKind(StrEnum):
+    """What a constraint's `spec` is. Every dialect maps its own fields onto these."""
+
+    JSON = "json"  # a JSON schema, as JSON text ('{"type": "object"}': any object)
+    REGEX = "regex"
+    CHOICE = "choice"  # a JSON list of strings: the output is exactly one of them
+    GRAMMAR = "grammar"  # GBNF (llama.cpp's) or Lark
+    LARK = "lark"  # Lark with llguidance's extensions (%json): tool calls
+
+
+class Constraint(BaseModel):
+    """The output must match this: the engine masks every token that cannot lead to a
+    match, and ends the output when nothing more can follow."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: ConstraintKind
+    spec: str = Field(max_length=MAX_CONSTRAINT_CHARS)
 
 
 class SamplingParams(BaseModel):
@@ -39,6 +61,7 @@ class SamplingParams(BaseModel):
         le=MAX_LOGPROBS,
         description="Return the chosen token's logprob and this many alternatives.",
     )
+    constraint: Constraint | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":

@@ -5,6 +5,7 @@ Errors come back as {"error": "..."} (see deployments.errors). Durations are
 nanoseconds, as Ollama reports them.
 """
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -21,8 +22,10 @@ from app.protocol.ollama import (
     OllamaRequest,
     OllamaShowRequest,
 )
-from app.protocol.sampling import SamplingParams
+from app.protocol.sampling import Constraint, SamplingParams
 from app.text.go_template import TemplateError, render
+from app.text.tool_calls import ParsedCall, ToolFormat, call_grammar
+from app.text.tool_stream import ToolCallStream, whole_output
 from deployments.errors import error_shape
 from deployments.generation import Generation
 from deployments.ingress import Ingress, IngressDep, RequestTag
@@ -87,7 +90,7 @@ async def show(req: OllamaShowRequest, ingress: IngressDep) -> dict:
         "template": getattr(ingress.tokenizers[name], "chat_template", None) or "",
         "details": _entry(ingress, name)["details"],
         "model_info": {"general.architecture": "llama", "context_length": info.max_model_len},
-        "capabilities": ["completion"],
+        "capabilities": ["completion", *(["tools"] if ingress.tool_format(name) else [])],
     }
 
 
@@ -124,21 +127,31 @@ async def chat(req: OllamaChatRequest, ingress: IngressDep, tag: RequestTag):  #
     name = _model_name(ingress, req.model, "chat")
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", "messages")
-    if req.tools or any(m.images or m.tool_calls for m in req.messages):
-        raise InvalidRequestError(
-            "tools, tool calls and images are not supported by this server", "tools"
-        )
-    params = await _params(ingress, name, req)
-    ids = await ingress.encode_chat(
-        name, [{"role": m.role, "content": m.content} for m in req.messages]
-    )
+    if any(m.images for m in req.messages):
+        raise InvalidRequestError("images are not supported by this server", "messages")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+    # Ollama has no tool_choice: the model decides, and a call it starts is kept
+    # well-formed by the tools' grammar (unless `format` asks for JSON instead).
+    fmt = ingress.tool_format(name) if tools else None
+    calls = None
+    if fmt is not None:
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+        calls = Constraint(kind="lark", spec=call_grammar(fmt, functions, True, optional=True))
+    params = await _params(ingress, name, req, calls)
+    messages = [m.template_message() for m in req.messages]
+    ids = await ingress.encode_chat(name, messages, tools)
     gen = await ingress.generate(name, ids, params, req.options.stop_strings, tag)
 
-    def piece(text: str) -> dict:
-        message = {"role": "assistant", "content": text}
+    def piece(text: str, calls: list | None = None) -> dict:
+        message: dict = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
         return {"model": req.model, "created_at": _now(), "message": message, "done": False}
 
-    return await _respond(gen, req.stream, piece, lambda: {**piece(""), **_done(gen, started)})
+    final = lambda: {**piece(""), **_done(gen, started)}  # noqa: E731
+    if fmt is not None:
+        return await _respond_with_calls(gen, req.stream, fmt, piece, final)
+    return await _respond(gen, req.stream, piece, final)
 
 
 @router.post("/api/embed")
@@ -201,7 +214,10 @@ def _entry(ingress: Ingress, name: str) -> dict:
     }
 
 
-async def _params(ingress: Ingress, name: str, req: OllamaRequest) -> SamplingParams:
+async def _params(
+    ingress: Ingress, name: str, req: OllamaRequest, fallback: Constraint | None = None
+) -> SamplingParams:
+    """`fallback`: the output's constraint when `format` asks for none."""
     req.refuse_unserved()
     num_ctx = req.options.num_ctx
     if num_ctx is not None:
@@ -211,7 +227,8 @@ async def _params(ingress: Ingress, name: str, req: OllamaRequest) -> SamplingPa
                 f"num_ctx {num_ctx} is more than the model's context length {limit}",
                 "options.num_ctx",
             )
-    return req.options.sampling(ingress.config.max_tokens_default)
+    constraint = req.constraint() or fallback
+    return req.options.sampling(ingress.config.max_tokens_default, constraint)
 
 
 def _render(template: str | None, system: str | None, prompt: str, max_chars: int) -> str:
@@ -258,6 +275,38 @@ async def _respond(
         yield final()
 
     return stream(gen, chunks(), WIRE)
+
+
+async def _respond_with_calls(
+    gen: Generation, streamed: bool, fmt: ToolFormat, piece: Callable, final: Callable
+):  # noqa: ANN202
+    """Like _respond, with the model's tool calls read out of its text; Ollama sends a
+    call whole, in the chunk where it completes."""
+    if not streamed:
+        await gen.drain()
+        content, calls = whole_output(fmt, gen.outputs[0].text)
+        whole = piece(content or "", [_ollama_call(c) for _, c in calls])
+        return {**final(), "message": whole["message"]}
+
+    async def chunks() -> AsyncIterator[dict]:
+        calls, sent = ToolCallStream(fmt), 0
+        async for d in gen.deltas():
+            content, _ = calls.feed(d.text, final=d.finish_reason is not None)
+            done = calls.complete_calls()
+            if content or len(done) > sent:
+                yield piece(content, [_ollama_call(c) for _, c in done[sent:]])
+                sent = len(done)
+        yield final()
+
+    return stream(gen, chunks(), WIRE)
+
+
+def _ollama_call(call: ParsedCall) -> dict:
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        arguments = {}  # cut off mid-call (num_predict): Ollama's arguments are an object
+    return {"function": {"name": call.name, "arguments": arguments}}
 
 
 async def _embed(ingress: Ingress, model: str, texts: list[str]) -> tuple[list, int]:

@@ -316,11 +316,17 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     "extra, param, word",
     [
-        ({"tools": [TOOL]}, "tools", "tools"),
+        ({"tools": [TOOL, TOOL]}, "tools", "unique"),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "response_format"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "'g'",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
+        ({"functions": [TOOL["function"]]}, "functions", "functions"),
         ({"reasoning_effort": "high"}, "reasoning_effort", "reasoning_effort"),
-        ({"guided_json": {"type": "object"}}, "guided_json", "guided_json"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "guided_json"),
         ({"foo": 1}, "foo", "foo"),
         ({"stream_options": {"include_usage": True, "bar": 1}}, "stream_options", "bar"),
         (
@@ -332,7 +338,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
                 ]
             },
             "messages",
-            "tool_calls",
+            "function",
         ),
         (
             {
@@ -355,9 +361,9 @@ def test_unhonoured_fields_are_named_in_a_400(base_url, extra, param, word):
     assert error["param"] == param and word in error["message"]
 
 
-def test_the_sdk_sees_tools_refused_and_inert_values_accepted(client):
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=CHAT, tools=[TOOL])
+def test_the_sdk_sees_functions_refused_and_inert_values_accepted(client):
+    with pytest.raises(openai.BadRequestError, match="functions"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, functions=[TOOL["function"]])
     ok = client.chat.completions.create(
         model=MODEL,
         messages=CHAT,
@@ -368,9 +374,10 @@ def test_the_sdk_sees_tools_refused_and_inert_values_accepted(client):
     assert ok.choices[0].message.content is not None
 
 
-def test_ollama_refuses_tools_images_and_think(base_url):
+def test_ollama_refuses_images_think_and_bad_formats(base_url):
     for body in (
-        {"messages": CHAT, "tools": [TOOL]},
+        {"messages": CHAT, "format": "xml"},
+        {"messages": CHAT, "format": {"type": "nonsense"}},
         {"messages": [{"role": "user", "content": "?", "images": ["aGk="]}]},
         {"messages": CHAT, "think": True},
     ):

@@ -91,7 +91,7 @@ def test_embed_tags_show_ps_version(client, base_url):
         (lambda c: c.chat(model="no-such-model", messages=[{"role": "user", "content": "x"}]), 404),
         (lambda c: c.generate(model=MODEL, prompt="x", options={"num_ctx": 10**7}), 400),
         (lambda c: c.generate(model=MODEL, prompt="x", options={"temperature": -3}), 400),
-        (lambda c: c.generate(model=MODEL, prompt="x", format="json"), 400),
+        (lambda c: c.generate(model=MODEL, prompt="x", format={"type": "nonsense"}), 400),
         (lambda c: c.embed(model="no-such-model", input="x"), 404),
     ],
 )
