@@ -175,9 +175,11 @@ class Ingress:
         except Exception as exc:
             raise unwrap(exc) from None
 
-    def tool_format(self, model: str) -> ToolFormat:
-        """The tool-call syntax of the template that renders this model's tools."""
-        return tool_format(tools_template(self.tokenizers[model]))
+    def tool_format(self, model: str) -> ToolFormat | None:
+        """The tool-call syntax of the template that renders this model's tools; None
+        when no template does (a request with tools is then a 400)."""
+        template = tools_template(self.tokenizers[model])
+        return None if template is None else tool_format(template)
 
 
 def ingress_of(request: Request) -> Ingress:

@@ -1,5 +1,6 @@
-"""OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings (and
-the same paths without /v1). Errors: {"error": {message, type, param, code}}."""
+"""OpenAI's API: /v1/models, /v1/completions, /v1/embeddings (and the same paths without
+/v1), and the pieces every OpenAI response shares; /v1/chat/completions is in
+openai_chat.py. Errors: {"error": {message, type, param, code}}."""
 
 import asyncio
 import base64
@@ -11,16 +12,13 @@ from fastapi import APIRouter
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.openai import (
-    ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     sampling_params,
 )
 from app.protocol.sampling import SamplingParams
-from app.text.tool_calls import ToolFormat
-from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
 from deployments.errors import error_body
-from deployments.generation import Generation, OutputState, TextDelta
+from deployments.generation import Generation, OutputState
 from deployments.ingress import Ingress, IngressDep, RequestTag, UnknownModelError
 from deployments.streaming import sse, stream
 
@@ -69,9 +67,9 @@ async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestT
         "total_tokens": prompt + completion,
     }
     if len(gens) == 1:
-        usage = _usage(gens[0])
+        usage = usage_of(gens[0])
     return {
-        **_head(gens[0], req.model, "cmpl", "text_completion"),
+        **response_head(gens[0], req.model, "cmpl", "text_completion"),
         "choices": choices,
         "usage": usage,
     }
@@ -115,37 +113,6 @@ async def _run_all(
     return gens
 
 
-async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    ingress.model(req.model)
-    ids = await ingress.encode_chat(req.model, req.template_messages(), req.template_tools())
-    # With tools, the output is read for calls in the syntax the model was shown, under
-    # their grammar; response_format wins over it, except where a call is forced.
-    fmt = ingress.tool_format(req.model) if req.uses_tools else None
-    constraint = req.output_constraint()
-    if fmt is not None and (req.forces_call or constraint is None):
-        constraint = req.tool_constraint(fmt)
-    num_lp = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, ingress.config.max_tokens_default, num_lp, constraint)
-    gen = await ingress.generate(req.model, ids, params, req.stop_strings, tag)
-    if req.stream:
-        return stream(gen, _chat_chunks(ingress, req, gen, fmt), WIRE)
-    await gen.drain()
-    choices = []
-    for out in gen.outputs:
-        message, reason = _chat_message(out.text, out.finish_reason, fmt)
-        choice = {
-            "index": out.index,
-            "message": message,
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-        if req.logprobs:
-            choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, out.logprobs)}
-        choices.append(choice)
-    head = _head(gen, req.model, "chatcmpl", "chat.completion")
-    return {**head, "choices": choices, "usage": _usage(gen)}
-
-
 async def embeddings(req: EmbeddingRequest, ingress: IngressDep) -> dict:
     if req.model not in ingress.embedding_models():
         raise UnknownModelError(f"The model '{req.model}' does not exist", param="model")
@@ -173,7 +140,6 @@ async def embeddings(req: EmbeddingRequest, ingress: IngressDep) -> dict:
 
 for _prefix in ("/v1", ""):
     router.add_api_route(f"{_prefix}/completions", completions, methods=["POST"])
-    router.add_api_route(f"{_prefix}/chat/completions", chat, methods=["POST"])
     router.add_api_route(f"{_prefix}/embeddings", embeddings, methods=["POST"])
 
 
@@ -196,7 +162,7 @@ async def _prompts(ingress: Ingress, req: CompletionRequest) -> list[list[int]]:
     return [list(x) for x in p]
 
 
-def _head(gen: Generation, model: str, prefix: str, kind: str) -> dict:
+def response_head(gen: Generation, model: str, prefix: str, kind: str) -> dict:
     return {
         "id": f"{prefix}-{gen.request_id}",
         "object": kind,
@@ -205,7 +171,7 @@ def _head(gen: Generation, model: str, prefix: str, kind: str) -> dict:
     }
 
 
-def _usage(gen: Generation) -> dict:
+def usage_of(gen: Generation) -> dict:
     prompt = len(gen.prompt_ids)
     return {
         "prompt_tokens": prompt,
@@ -215,31 +181,17 @@ def _usage(gen: Generation) -> dict:
     }
 
 
-def _token_text(ingress: Ingress, model: str, token_id: int) -> str:
+def token_text(ingress: Ingress, model: str, token_id: int) -> str:
     return ingress.tokenizers[model].decode([token_id])
-
-
-def _chat_logprobs(ingress: Ingress, model: str, lps: list) -> list[dict]:
-    out = []
-    for lp in lps:
-        tok = _token_text(ingress, model, lp.token_id)
-        top = []
-        for i, v in lp.top:
-            t = _token_text(ingress, model, i)
-            top.append({"token": t, "logprob": v, "bytes": list(t.encode())})
-        out.append(
-            {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
-        )
-    return out
 
 
 def _completion_logprobs(ingress: Ingress, model: str, lps: list, offset: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
     for lp in lps:
-        tok = _token_text(ingress, model, lp.token_id)
+        tok = token_text(ingress, model, lp.token_id)
         tokens.append(tok)
         values.append(lp.logprob)
-        tops.append({_token_text(ingress, model, i): v for i, v in lp.top})
+        tops.append({token_text(ingress, model, i): v for i, v in lp.top})
         offsets.append(offset)
         offset += len(tok)
     return {
@@ -268,7 +220,7 @@ def _completion_choice(
 async def _completion_chunks(
     ingress: Ingress, req: CompletionRequest, gen: Generation
 ) -> AsyncIterator[dict]:
-    head = _head(gen, req.model, "cmpl", "text_completion")
+    head = response_head(gen, req.model, "cmpl", "text_completion")
     offsets = [0] * req.n  # text_offset runs on across chunks, as in a non-streamed reply
     if req.echo:
         prompt_text = ingress.tokenizers[req.model].decode(gen.prompt_ids)
@@ -289,73 +241,4 @@ async def _completion_chunks(
             offsets[d.index] += sum(len(t) for t in lps["tokens"])
         yield {**head, "choices": [choice]}
     if req.stream_options and req.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": _usage(gen)}
-
-
-def _chat_message(
-    text: str, finish_reason: str | None, fmt: ToolFormat | None
-) -> tuple[dict, str | None]:
-    """A finished output as an assistant message, with its tool calls read out."""
-    if fmt is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = whole_output(fmt, text)
-    message: dict = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [
-            {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for i, c in calls
-        ]
-        if finish_reason == "stop":
-            finish_reason = "tool_calls"
-    return message, finish_reason
-
-
-async def _chat_chunks(
-    ingress: Ingress, req: ChatCompletionRequest, gen: Generation, fmt: ToolFormat | None
-) -> AsyncIterator[dict]:
-    head = _head(gen, req.model, "chatcmpl", "chat.completion.chunk")
-    calls = [ToolCallStream(fmt) for _ in range(req.n)] if fmt is not None else None
-    for i in range(req.n):
-        delta = {"role": "assistant", "content": ""}
-        choice = {"index": i, "delta": delta, "finish_reason": None, "logprobs": None}
-        yield {**head, "choices": [choice]}
-    async for d in gen.deltas():
-        choice = _chat_delta(ingress, req, d, None if calls is None else calls[d.index])
-        if choice is not None:
-            yield {**head, "choices": [choice]}
-    if req.stream_options and req.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": _usage(gen)}
-
-
-def _chat_delta(
-    ingress: Ingress, req: ChatCompletionRequest, d: TextDelta, calls: ToolCallStream | None
-) -> dict | None:
-    delta: dict = {"content": d.text} if d.text else {}
-    reason = d.finish_reason
-    if calls is not None:
-        content, fragments = calls.feed(d.text, final=reason is not None)
-        delta = {"content": content} if content else {}
-        if fragments:
-            delta["tool_calls"] = [_call_fragment(f) for f in fragments]
-        if calls.has_calls and reason == "stop":
-            reason = "tool_calls"
-        if not delta and reason is None and not (req.logprobs and d.logprobs):
-            return None  # held back: it may be the start of a call
-    choice = {
-        "index": d.index,
-        "delta": delta,
-        "finish_reason": reason,
-        "logprobs": None,
-    }
-    if req.logprobs and d.logprobs:
-        choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, d.logprobs)}
-    return choice
-
-
-def _call_fragment(f: CallFragment) -> dict:
-    """A tool call delta as the SDK reassembles it: id, type and name first, then
-    argument pieces under the same index."""
-    if f.id is None:
-        return {"index": f.index, "function": {"arguments": f.arguments}}
-    function = {"name": f.name, "arguments": f.arguments}
-    return {"index": f.index, "id": f.id, "type": "function", "function": function}
+        yield {**head, "choices": [], "usage": usage_of(gen)}

@@ -1,0 +1,135 @@
+"""OpenAI's /v1/chat/completions (and /chat/completions): messages through the chat
+template, tools, structured outputs, and the assistant's message or its stream of deltas
+with tool calls read out of the text."""
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+
+from app.protocol.openai import ChatCompletionRequest, sampling_params
+from app.text.tool_calls import ToolFormat
+from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
+from deployments.generation import Generation, TextDelta
+from deployments.ingress import Ingress, IngressDep, RequestTag
+from deployments.routes.openai import WIRE, response_head, token_text, usage_of
+from deployments.streaming import stream
+
+router = APIRouter()
+
+
+async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+    ingress.model(req.model)
+    ids = await ingress.encode_chat(req.model, req.template_messages(), req.template_tools())
+    # With tools, the output is read for calls in the syntax the model was shown, under
+    # their grammar; response_format wins over it, except where a call is forced.
+    fmt = ingress.tool_format(req.model) if req.uses_tools else None
+    constraint = req.output_constraint()
+    if fmt is not None and (req.forces_call or constraint is None):
+        constraint = req.tool_constraint(fmt)
+    num_lp = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, ingress.config.max_tokens_default, num_lp, constraint)
+    gen = await ingress.generate(req.model, ids, params, req.stop_strings, tag)
+    if req.stream:
+        return stream(gen, _chat_chunks(ingress, req, gen, fmt), WIRE)
+    await gen.drain()
+    choices = []
+    for out in gen.outputs:
+        message, reason = _chat_message(out.text, out.finish_reason, fmt)
+        choice = {
+            "index": out.index,
+            "message": message,
+            "finish_reason": reason,
+            "logprobs": None,
+        }
+        if req.logprobs:
+            choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, out.logprobs)}
+        choices.append(choice)
+    head = response_head(gen, req.model, "chatcmpl", "chat.completion")
+    return {**head, "choices": choices, "usage": usage_of(gen)}
+
+
+for _prefix in ("/v1", ""):
+    router.add_api_route(f"{_prefix}/chat/completions", chat, methods=["POST"])
+
+
+def _chat_logprobs(ingress: Ingress, model: str, lps: list) -> list[dict]:
+    out = []
+    for lp in lps:
+        tok = token_text(ingress, model, lp.token_id)
+        top = []
+        for i, v in lp.top:
+            t = token_text(ingress, model, i)
+            top.append({"token": t, "logprob": v, "bytes": list(t.encode())})
+        out.append(
+            {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
+        )
+    return out
+
+
+def _chat_message(
+    text: str, finish_reason: str | None, fmt: ToolFormat | None
+) -> tuple[dict, str | None]:
+    """A finished output as an assistant message, with its tool calls read out."""
+    if fmt is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = whole_output(fmt, text)
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in calls
+        ]
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+async def _chat_chunks(
+    ingress: Ingress, req: ChatCompletionRequest, gen: Generation, fmt: ToolFormat | None
+) -> AsyncIterator[dict]:
+    head = response_head(gen, req.model, "chatcmpl", "chat.completion.chunk")
+    calls = [ToolCallStream(fmt) for _ in range(req.n)] if fmt is not None else None
+    for i in range(req.n):
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": i, "delta": delta, "finish_reason": None, "logprobs": None}
+        yield {**head, "choices": [choice]}
+    async for d in gen.deltas():
+        choice = _chat_delta(ingress, req, d, None if calls is None else calls[d.index])
+        if choice is not None:
+            yield {**head, "choices": [choice]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": usage_of(gen)}
+
+
+def _chat_delta(
+    ingress: Ingress, req: ChatCompletionRequest, d: TextDelta, calls: ToolCallStream | None
+) -> dict | None:
+    delta: dict = {"content": d.text} if d.text else {}
+    reason = d.finish_reason
+    if calls is not None:
+        content, fragments = calls.feed(d.text, final=reason is not None)
+        delta = {"content": content} if content else {}
+        if fragments:
+            delta["tool_calls"] = [_call_fragment(f) for f in fragments]
+        if calls.has_calls and reason == "stop":
+            reason = "tool_calls"
+        if not delta and reason is None and not (req.logprobs and d.logprobs):
+            return None  # held back: it may be the start of a call
+    choice = {
+        "index": d.index,
+        "delta": delta,
+        "finish_reason": reason,
+        "logprobs": None,
+    }
+    if req.logprobs and d.logprobs:
+        choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, d.logprobs)}
+    return choice
+
+
+def _call_fragment(f: CallFragment) -> dict:
+    """A tool call delta as the SDK reassembles it: id, type and name first, then
+    argument pieces under the same index."""
+    if f.id is None:
+        return {"index": f.index, "function": {"arguments": f.arguments}}
+    function = {"name": f.name, "arguments": f.arguments}
+    return {"index": f.index, "id": f.id, "type": "function", "function": function}
