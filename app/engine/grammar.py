@@ -51,7 +51,10 @@ def _limits() -> Any:
 
     # The fuel bounds the lexer build (a new grammar) to ~20 ms and a mask to ~15 ms.
     return llguidance.LLParserLimits(
-        initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=200_000
+        initial_lexer_fuel=1_000_000,
+        step_lexer_fuel=200_000,
+        max_grammar_size=200_000,
+        verbose_errors=False,  # an error names the problem, not the parser's whole state
     )
 
 

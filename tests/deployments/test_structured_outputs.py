@@ -32,7 +32,7 @@ TIME = {
         "name": "get_time",
         "parameters": {
             "type": "object",
-            "properties": {"timezone": {"type": "string"}},
+            "properties": {"timezone": {"type": "string", "maxLength": 40}},
             "required": ["timezone"],
         },
     },
@@ -191,7 +191,18 @@ def test_forced_tool_calls_whole_and_streamed():
             tools=[WEATHER, TIME],
             tool_choice={"type": "function", "function": {"name": "get_time"}},
             max_tokens=120,
+            temperature=0,
         )
+        async with client.chat.completions.stream(
+            model=MODEL,
+            messages=ask,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=120,
+            temperature=0,
+            parallel_tool_calls=False,
+        ) as sdk_stream:
+            reassembled = await sdk_stream.get_final_completion()
         chunks = []
         async for chunk in await create(
             model=MODEL,
@@ -204,9 +215,9 @@ def test_forced_tool_calls_whole_and_streamed():
             parallel_tool_calls=False,
         ):
             chunks.append(chunk)
-        return required, named, chunks
+        return required, named, chunks, reassembled
 
-    required, named, chunks = run(_with_client(scenario))
+    required, named, chunks, reassembled = run(_with_client(scenario))
     call = required.choices[0].message.tool_calls[0]
     assert required.choices[0].finish_reason == "tool_calls"
     assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
@@ -221,6 +232,13 @@ def test_forced_tool_calls_whole_and_streamed():
     assert len(pieces) > 2 and all(p.index == 0 for p in pieces)
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The SDK's own stream helper puts the call back together.
+    (sdk_call,) = reassembled.choices[0].message.tool_calls
+    assert sdk_call.function.name == call.function.name
+    assert sdk_call.function.arguments == call.function.arguments
+    assert sdk_call.function.parsed_arguments is None or isinstance(
+        sdk_call.function.parsed_arguments, dict
+    )
 
 
 def test_a_multi_turn_exchange_with_a_tool_result():
@@ -260,3 +278,54 @@ def test_a_multi_turn_exchange_with_a_tool_result():
 
     second = run(_with_client(scenario))
     assert second.choices[0].message.content or second.choices[0].message.tool_calls
+
+
+def test_stop_strings_cut_a_constrained_output():
+    async def scenario(client):  # noqa: ANN001, ANN202
+        return await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Two colours?"}],
+            extra_body={"guided_regex": "(red|blue|green), (red|blue|green)"},
+            stop=[","],
+            max_tokens=10,
+            temperature=0,
+        )
+
+    out = run(_with_client(scenario)).choices[0]
+    assert out.message.content in ("red", "blue", "green") and out.finish_reason == "stop"
+
+
+def test_llamacpp_completion_json_schema_and_grammar():
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+
+    async def scenario():  # noqa: ANN202
+        async with http_client(app_of[0]) as http:
+            as_json = await http.post(
+                "/completion",
+                json={
+                    "prompt": "2 + 2 =",
+                    "n_predict": 20,
+                    "temperature": 0,
+                    "json_schema": schema,
+                },
+            )
+            gbnf = await http.post(
+                "/completion",
+                json={"prompt": "Pick:", "n_predict": 10, "grammar": 'root ::= "A" | "B" | "C"'},
+            )
+            bad = await http.post("/completion", json={"prompt": "x", "grammar": "root ::= ("})
+            both = await http.post(
+                "/completion", json={"prompt": "x", "grammar": 'root ::= "A"', "json_schema": {}}
+            )
+            return as_json, gbnf, bad, both
+
+    as_json, gbnf, bad, both = run(scenario())
+    assert set(json.loads(as_json.json()["content"])) == {"answer"}
+    assert gbnf.json()["content"] in ("A", "B", "C")
+    assert bad.status_code == 400 and "grammar" in bad.json()["error"]["message"]
+    assert both.status_code == 400
