@@ -8,7 +8,8 @@ fills of one new context, long streams dropped after half a second (half of them
 Serve not to watch for disconnects), Ollama templates of 32 KB of `{{if` and prompts with
 backslashes, 65 stop strings and 64 stop strings of 1024 characters, 257 embedding inputs,
 n=129, 1025 logit_bias entries, an out-of-vocabulary logit_bias key, temperature 3, a
-3 MB chunked body, tools and response_format, an id_slot outside the slots, slot detail
+3 MB chunked body, duplicate tools, a schema-less response_format, a regex whose DFA
+would blow up, an id_slot outside the slots, slot detail
 from /health, and slot saves of a 2000-token context.
 
 Printed: the well-behaved streams' output tokens/s and p50/p99 inter-token latency alone
@@ -154,14 +155,20 @@ def hostile_requests(rng: random.Random, round_no: int) -> list[tuple[str, str, 
             {
                 "model": MODEL,
                 "messages": CHAT,
-                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tools": [{"type": "function", "function": {"name": "f"}}] * 2,  # names twice
             },
             {},
         ),
         (
             "response-format",
             "/v1/chat/completions",
-            {"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}},
+            {"model": MODEL, "messages": CHAT, "response_format": {"type": "json_schema"}},
+            {},
+        ),
+        (
+            "regex-blowup",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": CHAT, "guided_regex": "(a|b)*a(a|b){40}", "max_tokens": 8},
             {},
         ),
         ("id-slot-outside", "/completion", {"prompt": "Hi", "id_slot": 10**6}, {}),

@@ -7,7 +7,18 @@ that asks for them gets a 400 that says so, never a silent default.
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from app.protocol.errors import ShoalError
+from app.protocol.openai_structured import ResponseFormat, StructuredFields
+from app.protocol.sampling import Constraint
 
 MAX_METADATA_PAIRS = 16
 
@@ -39,10 +50,25 @@ class WithMetadata(Body):
 
 
 def check_unserved(tools: list | None, response_format: Any) -> None:
+    """Function tools (runs that stop for `requires_action`) are not served; every
+    response_format is (text, json_object, json_schema)."""
     if tools:
         raise ValueError("tools are not served yet; send no tools")
-    if response_format not in (None, "auto") and response_format != {"type": "text"}:
-        raise ValueError("response_format other than 'auto' or text is not served yet")
+    output_constraint(response_format)
+
+
+def output_constraint(response_format: Any) -> Constraint | None:
+    """What a run's output must match, from its (or its assistant's) response_format."""
+    if response_format in (None, "auto"):
+        return None
+    try:
+        parsed = ResponseFormat.model_validate(response_format)
+    except ValidationError as exc:
+        raise ValueError(f"response_format: {exc.errors()[0]['msg']}") from None
+    try:
+        return StructuredFields(response_format=parsed).output_constraint()
+    except ShoalError as exc:
+        raise ValueError(exc.message) from None
 
 
 class Sampling(WithMetadata):

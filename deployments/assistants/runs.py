@@ -15,6 +15,7 @@ import contextlib
 import logging
 from typing import Any
 
+from app.protocol.assistants import output_constraint
 from app.protocol.errors import ShoalError
 from app.protocol.sampling import SamplingParams
 from deployments.assistants.schema import RUN_ACTIVE, now
@@ -201,6 +202,7 @@ class RunExecutor:
             params["temperature"] = run["temperature"]
         if run["top_p"] is not None:
             params["top_p"] = run["top_p"]
+        params["constraint"] = output_constraint(run["response_format"])
         return SamplingParams(**params)
 
     async def _watch(self, run: dict) -> None:

@@ -2,6 +2,7 @@
 real SQLite database and the real engine (tests/local_app.py)."""
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -351,3 +352,37 @@ def test_a_retried_stream_follows_the_first_attempts_run(served):
     assert [m.id for m in msgs2] == [m.id for m in msgs1]
     assert msgs2[0].content[0].text.value == msgs1[0].content[0].text.value
     assert len(runs.data) == 1
+
+
+def test_a_run_under_a_json_schema_answers_in_it(served):
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "why": {"type": "string", "maxLength": 80},
+        },
+        "required": ["colour", "why"],
+        "additionalProperties": False,
+    }
+
+    async def body(client):  # noqa: ANN001, ANN202
+        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+        a = await _assistant(client, response_format=fmt)
+        thread = await client.beta.threads.create(
+            messages=[{"role": "user", "content": "Which colour is the sky?"}]
+        )
+        done = await client.beta.threads.runs.create_and_poll(
+            thread_id=thread.id, assistant_id=a.id, max_completion_tokens=80
+        )
+        messages = await client.beta.threads.messages.list(thread.id, order="asc")
+        with pytest.raises(openai.BadRequestError) as bad:
+            await _assistant(
+                client, response_format={"type": "json_schema", "json_schema": {"name": "x"}}
+            )
+        return done, messages, bad.value
+
+    done, messages, bad = scenario(served, body)
+    assert done.status == "completed"
+    answer = messages.data[1].content[0].text.value
+    assert json.loads(answer)["colour"] in ("red", "green", "blue")
+    assert "schema" in bad.message
