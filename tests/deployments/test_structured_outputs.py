@@ -174,47 +174,24 @@ def test_bad_schemas_and_grammars_are_400s():
 def test_forced_tool_calls_whole_and_streamed():
     ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
+    forced = {
+        "model": MODEL,
+        "messages": ask,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "max_tokens": 120,
+        "temperature": 0,
+        "parallel_tool_calls": False,
+    }
+    get_time = {"type": "function", "function": {"name": "get_time"}}
+
     async def scenario(client):  # noqa: ANN001, ANN202
         create = client.chat.completions.create
-        required = await create(
-            model=MODEL,
-            messages=ask,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            max_tokens=120,
-            temperature=0,
-            parallel_tool_calls=False,
-        )
-        named = await create(
-            model=MODEL,
-            messages=ask,
-            tools=[WEATHER, TIME],
-            tool_choice={"type": "function", "function": {"name": "get_time"}},
-            max_tokens=120,
-            temperature=0,
-        )
-        async with client.chat.completions.stream(
-            model=MODEL,
-            messages=ask,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            max_tokens=120,
-            temperature=0,
-            parallel_tool_calls=False,
-        ) as sdk_stream:
+        required = await create(**forced)
+        named = await create(**forced | {"tool_choice": get_time})
+        async with client.chat.completions.stream(**forced) as sdk_stream:
             reassembled = await sdk_stream.get_final_completion()
-        chunks = []
-        async for chunk in await create(
-            model=MODEL,
-            messages=ask,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            max_tokens=120,
-            temperature=0,
-            stream=True,
-            parallel_tool_calls=False,
-        ):
-            chunks.append(chunk)
+        chunks = [chunk async for chunk in await create(**forced, stream=True)]
         return required, named, chunks, reassembled
 
     required, named, chunks, reassembled = run(_with_client(scenario))
