@@ -52,10 +52,10 @@ def test_a_sampling_failure_in_one_row_ends_that_request_only(tiny_llama, monkey
     engine = tiny_engine(tiny_llama)
     sample = engine.sampler.__class__.__call__
 
-    def failing(self, logits, seqs):  # noqa: ANN001, ANN202
+    def failing(self, logits, seqs, forbidden=None):  # noqa: ANN001, ANN202
         if any(s.request_id == "victim" for s in seqs):
             raise RuntimeError("boom")
-        return sample(self, logits, seqs)
+        return sample(self, logits, seqs, forbidden)
 
     monkeypatch.setattr(engine.sampler.__class__, "__call__", failing)
     engine.add_request("victim", [1, 2, 3], GREEDY)

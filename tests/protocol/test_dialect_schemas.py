@@ -22,8 +22,9 @@ def test_ollama_defaults_and_names():
 
 
 def test_ollama_refuses_what_it_cannot_honour():
+    assert OllamaChatRequest(model="m", format="json").constraint().kind == "json"
     with pytest.raises(InvalidRequestError) as bad:
-        OllamaChatRequest(model="m", format="json").refuse_unserved()
+        OllamaChatRequest(model="m", format="xml").constraint()
     assert bad.value.param == "format"
     with pytest.raises(InvalidRequestError):
         OllamaChatRequest(model="m", think=True).refuse_unserved()
@@ -41,9 +42,9 @@ def test_llamacpp_fields_map_onto_sampling():
 def test_openai_is_strict_and_names_fields():
     with pytest.raises(InvalidRequestError) as unsupported:
         ChatCompletionRequest.model_validate(
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{}]}
         )
-    assert unsupported.value.param == "tools"
+    assert unsupported.value.param == "functions"
     with pytest.raises(ValidationError):  # unknown field: extra=forbid
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "nme": 1})
     req = CompletionRequest(model="m", prompt="x", logit_bias={"a": 1.0})
