@@ -67,6 +67,10 @@ class ModelDeploymentConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(DEFAULT_MODEL, description="The id clients put in `model`.")
+    aliases: list[str] = Field(
+        default_factory=list,
+        description="Other ids that name this model (e.g. the one a client has hard-coded).",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (no autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(
@@ -255,7 +259,8 @@ class AppConfig(BaseModel):
         return self
 
     def model(self, name: str) -> ModelDeploymentConfig | None:
-        return next((m for m in self.models if m.name == name), None)
+        """The model that `name` (its name or one of its aliases) names."""
+        return next((m for m in self.models if name == m.name or name in m.aliases), None)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":

@@ -18,7 +18,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer, tools_template
-from app.protocol.errors import ShoalError
+from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.messages import ContextOp, EngineRequest
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
@@ -90,8 +90,32 @@ class Ingress:
         return config
 
     def default_model(self, name: str | None) -> str:
-        """`name` when it is served; the first configured model when None."""
-        return self.config.models[0].name if name is None else self.model(name).name
+        """The served name of `name` (a name or an alias); the first configured model when
+        None or empty."""
+        return self.config.models[0].name if not name else self.model(name).name
+
+    def served_name(self, name: str | None) -> str:
+        """The model an OpenAI-style request names: its served name for a name or alias;
+        with one model served, a missing or null `model` means that one (as llama.cpp and
+        vLLM take it); with several, it is a 400."""
+        if name:
+            return self.model(name).name
+        served = self.served_models()
+        if len(served) != 1:
+            names = ", ".join(m.name for m in served)
+            raise InvalidRequestError(f"model is required: this server serves {names}", "model")
+        return served[0].name
+
+    def embedding_name(self, name: str | None) -> str:
+        """The embedding model `name` names (any, when not given); 404 otherwise."""
+        models = self.embedding_models()
+        if not models:
+            raise UnknownModelError("this server serves no embedding model", param="model")
+        if not name:
+            return models[0]
+        if name not in models:
+            raise UnknownModelError(f"The model '{name}' does not exist", param="model")
+        return name
 
     async def add_model(self, config: ModelDeploymentConfig, handle: Any) -> None:
         """Serve a model started at run time (its tokenizer is loaded first, off the loop)."""

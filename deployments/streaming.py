@@ -41,6 +41,16 @@ def sse(error: Callable[[ShoalError], dict], end: str = "") -> Wire:
     )
 
 
+def typed_sse(error: Callable[[ShoalError], dict]) -> Wire:
+    """Server-sent events named by each chunk's `type` (`event: {type}` then its data), as
+    OpenAI's Responses API and Anthropic's Messages API stream."""
+
+    def frame(chunk: dict) -> str:
+        return f"event: {chunk.get('type', 'message')}\ndata: {json.dumps(chunk)}\n\n"
+
+    return Wire("text/event-stream", frame, error, "", SSE_HEADERS)
+
+
 def ndjson(error: Callable[[ShoalError], dict]) -> Wire:
     """One JSON object per line."""
     return Wire("application/x-ndjson", lambda c: json.dumps(c) + "\n", error)

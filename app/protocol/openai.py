@@ -73,7 +73,7 @@ class StreamOptions(BaseModel):
 class _Common(StructuredFields):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # None: the one model served (see Ingress.served_name)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -196,7 +196,7 @@ class ChatCompletionRequest(ToolFields, _Common):
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     input: str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None

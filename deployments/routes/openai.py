@@ -19,7 +19,7 @@ from app.protocol.openai import (
 from app.protocol.sampling import SamplingParams
 from deployments.errors import error_body
 from deployments.generation import Generation, OutputState
-from deployments.ingress import Ingress, IngressDep, RequestTag, UnknownModelError
+from deployments.ingress import Ingress, IngressDep, RequestTag
 from deployments.streaming import sse, stream
 
 MAX_PROMPTS = 128  # prompts x n in one /v1/completions request
@@ -29,13 +29,15 @@ WIRE = sse(error_body, end="data: [DONE]\n\n")
 router = APIRouter()
 
 
-@router.get("/v1/models")
 async def list_models(ingress: IngressDep) -> dict:
-    return {"object": "list", "data": [_card(ingress, m.name) for m in ingress.served_models()]}
+    """Every model this server answers for: the generative ones, then the embedding one."""
+    names = [m.name for m in ingress.served_models()] + ingress.embedding_models()
+    return {"object": "list", "data": [_card(ingress, name) for name in names]}
 
 
-@router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, ingress: IngressDep) -> dict:
+    if model_id in ingress.embedding_models():
+        return _card(ingress, model_id)
     return _card(ingress, ingress.model(model_id).name)
 
 
@@ -44,7 +46,7 @@ def _card(ingress: Ingress, name: str) -> dict:
 
 
 async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    ingress.model(req.model)
+    req.model = ingress.served_name(req.model)
     prompts = await _prompts(ingress, req)
     constraint = req.output_constraint()
     params = sampling_params(req, ingress.config.max_tokens_default, req.logprobs, constraint)
@@ -114,8 +116,7 @@ async def _run_all(
 
 
 async def embeddings(req: EmbeddingRequest, ingress: IngressDep) -> dict:
-    if req.model not in ingress.embedding_models():
-        raise UnknownModelError(f"The model '{req.model}' does not exist", param="model")
+    req.model = ingress.embedding_name(req.model)
     texts = [req.input] if isinstance(req.input, str) else list(req.input)
     if not texts or any(not isinstance(t, str) or not t for t in texts):
         raise InvalidRequestError("input must be a non-empty string or list of strings", "input")
@@ -139,6 +140,8 @@ async def embeddings(req: EmbeddingRequest, ingress: IngressDep) -> dict:
 
 
 for _prefix in ("/v1", ""):
+    router.add_api_route(f"{_prefix}/models", list_models, methods=["GET"])
+    router.add_api_route(f"{_prefix}/models/{{model_id:path}}", get_model, methods=["GET"])
     router.add_api_route(f"{_prefix}/completions", completions, methods=["POST"])
     router.add_api_route(f"{_prefix}/embeddings", embeddings, methods=["POST"])
 

@@ -18,7 +18,7 @@ router = APIRouter()
 
 
 async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    ingress.model(req.model)
+    req.model = ingress.served_name(req.model)
     ids = await ingress.encode_chat(req.model, req.template_messages(), req.template_tools())
     # With tools, the output is read for calls in the syntax the model was shown, under
     # their grammar; response_format wins over it, except where a call is forced.
