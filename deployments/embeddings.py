@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from app.protocol.errors import ModelLoadError
+from app.protocol.errors import InvalidRequestError, ModelLoadError
 from deployments.config import EmbeddingsConfig
 
 
@@ -26,18 +26,49 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModel.from_pretrained(str(path)).eval()
         self.max_length = min(getattr(self.tokenizer, "model_max_length", 512), 512)
+        # The tokens the tokenizer puts around a text ([CLS] ... [SEP]), read off one.
+        bare = self.tokenizer("x", add_special_tokens=False).input_ids
+        full = self.tokenizer("x").input_ids
+        start = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
+        self.around = (full[:start], full[start + len(bare) :])
 
     @torch.inference_mode()
-    def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
-        """Returns one unit vector per text and the number of tokens read."""
-        batch = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        )
+    def embed(
+        self, inputs: list[str | list[int | str]], truncate: bool = True
+    ) -> tuple[list[list[float]], int]:
+        """One unit vector per input, and the number of tokens read. An input is a text,
+        or pieces: token ids of this model's vocabulary and texts. One longer than the
+        model reads is cut to fit with `truncate` (Ollama's way), else refused (OpenAI's)."""
+        rows = [self._ids(x, i, truncate) for i, x in enumerate(inputs)]
+        batch = self.tokenizer.pad({"input_ids": rows}, return_tensors="pt")
         hidden = self.model(**batch).last_hidden_state  # (B, L, H)
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
         vectors = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return vectors.tolist(), int(batch["attention_mask"].sum())
+
+    def _ids(self, value: str | list[int | str], index: int, truncate: bool) -> list[int]:
+        ids: list[int] = []
+        for piece in [value] if isinstance(value, str) else value:
+            if isinstance(piece, str):
+                ids += self.tokenizer(piece, add_special_tokens=False).input_ids
+            elif 0 <= piece < len(self.tokenizer):
+                ids.append(piece)
+            else:
+                raise InvalidRequestError(
+                    f"input {index}: token id {piece} is not in the vocabulary", "input"
+                )
+        head, tail = self.around
+        room = self.max_length - len(head) - len(tail)
+        if len(ids) > room:
+            if not truncate:
+                raise InvalidRequestError(
+                    f"input {index} is too large to process: {len(ids) + len(head) + len(tail)}"
+                    f" tokens, and this embedding model reads at most {self.max_length}",
+                    "input",
+                )
+            ids = ids[:room]
+        return head + ids + tail
 
 
 EmbedderDeployment = serve.deployment(Embedder, name="Embedder")

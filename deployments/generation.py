@@ -141,6 +141,30 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(o.num_tokens for o in self.outputs)
 
+    def timings(self) -> dict[str, float]:
+        """llama.cpp's `timings`: the prompt's part (to the first token; cached tokens
+        are not processed) and the generation's (from it to the last token so far)."""
+        t = self._timer
+        first = t.first_at or time.perf_counter()
+        last = t.last or first
+        prompt_n = max(len(self.prompt_ids) - self.cached_tokens, 0)
+        prompt_ms = 1000 * (first - t.started)
+        predicted_n = self.completion_tokens
+        # The first token comes with the prompt's step: the generation's time is the rest.
+        predicted_ms = 1000 * (last - first)
+        steps = max(predicted_n - 1, 0)
+        return {
+            "cache_n": self.cached_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+            "predicted_per_second": 1000 * steps / predicted_ms if predicted_ms else 0.0,
+        }
+
     @property
     def first_token_at(self) -> float | None:
         """perf_counter of the first token, once it came."""

@@ -199,6 +199,16 @@ class Ingress:
         except Exception as exc:
             raise unwrap(exc) from None
 
+    async def chat_prompt(
+        self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None = None
+    ) -> str:
+        """The text of the prompt `encode_chat` encodes."""
+        source = self.model(model).engine.model
+        try:
+            return await self.tokenizer.chat_prompt.remote(model, messages, source, tools)
+        except Exception as exc:
+            raise unwrap(exc) from None
+
     def tool_format(self, model: str) -> ToolFormat | None:
         """The tool-call syntax of the template that renders this model's tools; None
         when no template does (a request with tools is then a 400)."""

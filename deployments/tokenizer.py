@@ -1,11 +1,12 @@
 """Tokenizer deployment: chat templates and encoding, one tokenizer per served model."""
 
+from collections.abc import Callable
 from typing import Any
 
 from ray import serve
 
 from app.models.source import resolve_model
-from app.models.tokenizer import chat_token_ids, load_tokenizer
+from app.models.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
 from app.protocol.errors import InvalidRequestError
 from deployments.config import ModelDeploymentConfig
 
@@ -41,11 +42,31 @@ class Tokenizer:
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        return self._render(chat_token_ids, model, messages, source, tools)
+
+    def chat_prompt(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        source: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The text `encode_chat` encodes (llama.cpp's /apply-template)."""
+        return self._render(chat_prompt, model, messages, source, tools)
+
+    def _render(
+        self,
+        render: Callable[..., Any],
+        model: str,
+        messages: list[dict[str, Any]],
+        source: str | None,
+        tools: list[dict[str, Any]] | None,
+    ) -> Any:
         tokenizer = self._get(model, source)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
         try:
-            return chat_token_ids(tokenizer, messages, tools)
+            return render(tokenizer, messages, tools)
         except InvalidRequestError:
             raise
         except Exception as exc:  # template errors (e.g. role order) are the client's

@@ -81,14 +81,19 @@ async def _call(fn: Any, args: tuple) -> Any:
 
 
 @contextlib.contextmanager
-def local_app(config: AppConfig, engine: LLMEngine) -> Iterator[tuple[FastAPI, ModelServer]]:
+def local_app(
+    config: AppConfig, engine: LLMEngine, embedder: Any = None
+) -> Iterator[tuple[FastAPI, ModelServer]]:
     """The app for `config`'s first model, served by `engine` (stepped in a thread while
-    this lasts: nothing else may step it meanwhile)."""
+    this lasts: nothing else may step it meanwhile), and `embedder`'s embedding model."""
     client = AsyncEngine(engine)
     model = config.models[0]
     server = ModelServer(model, engine=client)
     ingress = Ingress(
-        config, LocalHandle(Tokenizer(config.models)), {model.name: LocalHandle(server)}
+        config,
+        LocalHandle(Tokenizer(config.models)),
+        {model.name: LocalHandle(server)},
+        None if embedder is None else LocalHandle(embedder),
     )
     try:
         yield create_app(ingress), server

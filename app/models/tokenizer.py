@@ -34,12 +34,12 @@ def tools_template(tokenizer: Any) -> str | None:
     return None
 
 
-def chat_token_ids(
+def chat_prompt(
     tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-) -> list[int]:
-    """The prompt's token ids under the model's chat template, ready for the reply;
-    with `tools` (or earlier calls and tool results in `messages`), under the template
-    that renders them."""
+) -> str:
+    """The prompt's text under the model's chat template, ready for the reply; with
+    `tools` (or earlier calls and tool results in `messages`), under the template that
+    renders them."""
     template = None
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         template = tools_template(tokenizer)
@@ -47,9 +47,15 @@ def chat_token_ids(
             raise InvalidRequestError(
                 "this model's chat template does not render tools or tool results", "tools"
             )
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, chat_template=template, add_generation_prompt=True, tokenize=True
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=template, add_generation_prompt=True, tokenize=False
     )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in newer releases
-        ids = ids["input_ids"]
-    return list(ids)
+
+
+def chat_token_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The prompt's token ids: `chat_prompt`'s text, encoded as transformers does for a
+    rendered template (its special tokens are in the text, so none are added)."""
+    text = chat_prompt(tokenizer, messages, tools)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -7,7 +7,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams, sampling_params
+from app.protocol.sampling import (
+    MAX_CONSTRAINT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    Constraint,
+    SamplingParams,
+    sampling_params,
+)
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 
 
@@ -33,11 +40,17 @@ class SlotFileRequest(BaseModel):
     model: str | None = None
 
 
+# A prompt piece: text, or a token id. llama.cpp's `prompt` is one piece list, a list of
+# them, or a list of prompts (see `prompts`).
+PromptPiece = int | str
+MAX_PROMPTS = 64
+
+
 class LlamaCompletionRequest(BaseModel):
     """/completion's fields (llama.cpp's names and defaults)."""
 
     model_config = ConfigDict(extra="ignore")
-    prompt: str | list[int] = ""
+    prompt: str | list[PromptPiece | list[PromptPiece]] = ""
     n_predict: int = Field(-1, ge=-1)
     temperature: float = 0.8
     top_k: int = Field(40, ge=0)
@@ -55,6 +68,44 @@ class LlamaCompletionRequest(BaseModel):
     model: str | None = None
     json_schema: dict[str, Any] | None = None  # the output must match it
     grammar: str | None = Field(None, max_length=MAX_CONSTRAINT_CHARS)  # GBNF, as llama.cpp's
+    n_probs: int = Field(0, ge=0, le=MAX_LOGPROBS)  # top alternatives per generated token
+    post_sampling_probs: bool = False  # probabilities (0-1) rather than logprobs
+    # [[token id or text, bias or false], ...] or {token id or text: bias or false}: text
+    # biases every token of its encoding; false bans (llama.cpp's two forms).
+    logit_bias: list[tuple[PromptPiece, float | bool]] | dict[str, float | bool] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
+    response_fields: list[str] | None = Field(None, max_length=64)  # "a/b": a nested field
+    return_tokens: bool = False  # the generated token ids in `tokens`
+    return_progress: bool = False  # a prompt_progress event before the first token
+    timings_per_token: bool = False  # timings in every streamed event
+
+    def prompts(self) -> list[list[PromptPiece]]:
+        """The prompts, each as pieces, read as llama.cpp reads them: a string or a flat
+        list of ids and texts is one prompt; a list whose items are strings or lists is
+        several (each a string, ids, or ids mixed with texts)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [[p]]
+        if all(not isinstance(x, list) for x in p) and not all(isinstance(x, str) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if not p or len(p) > MAX_PROMPTS:
+            raise InvalidRequestError(f"give 1 to {MAX_PROMPTS} prompts", "prompt")
+        return [[x] if isinstance(x, str) else list(x) for x in p]
+
+    def bias_entries(self) -> list[tuple[PromptPiece, float]]:
+        """(token id or text, bias) pairs; false is the strongest ban there is (-100)."""
+        if self.logit_bias is None:
+            return []
+        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        entries: list[tuple[PromptPiece, float]] = []
+        for key, bias in items:
+            if isinstance(key, str) and key.lstrip("-").isdigit():
+                key = int(key)
+            if bias is True:
+                raise InvalidRequestError("a logit_bias is a number or false", "logit_bias")
+            entries.append((key, -100.0 if bias is False else float(bias)))
+        return entries
 
     def constraint(self) -> Constraint | None:
         if self.json_schema is not None and self.grammar:
@@ -68,7 +119,8 @@ class LlamaCompletionRequest(BaseModel):
             return Constraint(kind="json", spec=spec)
         return None
 
-    def params(self, default_max_tokens: int) -> SamplingParams:
+    def params(self, default_max_tokens: int, bias: dict[int, float]) -> SamplingParams:
+        """`bias`: `bias_entries` with texts encoded, by token id."""
         fields = dict(
             max_tokens=default_max_tokens if self.n_predict == -1 else max(self.n_predict, 1),
             temperature=self.temperature,
@@ -81,6 +133,8 @@ class LlamaCompletionRequest(BaseModel):
             seed=None if self.seed < 0 else self.seed,
             ignore_eos=self.ignore_eos,
             constraint=self.constraint(),
+            logprobs=self.n_probs or None,
+            logit_bias=bias,
         )
         names = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
         return sampling_params(fields, names)

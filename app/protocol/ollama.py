@@ -147,6 +147,7 @@ class OllamaEmbedRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     input: str | list[str]
+    truncate: bool = True  # an input over the model's length is cut to fit; else a 400
 
 
 class OllamaLegacyEmbedRequest(BaseModel):

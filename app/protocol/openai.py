@@ -194,14 +194,64 @@ class ChatCompletionRequest(ToolFields, _Common):
         return [m.template_message() for m in self.messages]
 
 
+EmbeddingPiece = int | str  # a token id of the embedding model's vocabulary, or text
+EmbeddingItem = EmbeddingPiece | list[EmbeddingPiece] | dict[str, Any]
+
+
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    input: str | list[str]
+    input: str | list[EmbeddingItem] | dict[str, Any]
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
     _inert = model_validator(mode="before")(drop_inert_fields)
+
+    def inputs(self) -> list[str | list[EmbeddingPiece]]:
+        """One entry per vector: a text, or token ids (with texts mixed in, as llama.cpp
+        takes them). A flat list of ids (or ids and texts) is one input; a list of texts,
+        id lists or llama.cpp's objects ({"prompt_string": ...}, {"content": [text
+        parts]}) is one input each."""
+        x = self.input
+        if isinstance(x, str | dict):
+            items: list = [x]
+        elif x and all(isinstance(i, int | str) for i in x) and any(isinstance(i, int) for i in x):
+            items = [x]
+        else:
+            items = list(x)
+        if not items:
+            raise InvalidRequestError("input must not be empty", "input")
+        return [_embedding_input(item) for item in items]
+
+
+def _embedding_input(item: Any) -> str | list[EmbeddingPiece]:
+    if isinstance(item, dict):
+        item = _embedding_object(item)
+    if isinstance(item, int):
+        item = [item]
+    if not item:  # OpenAI refuses an empty string, llama.cpp embeds it: OpenAI's way here
+        raise InvalidRequestError("input must not contain an empty string or list", "input")
+    if isinstance(item, list) and any(isinstance(p, list | dict) for p in item):
+        raise InvalidRequestError("an input is text, token ids, or both in one list", "input")
+    return item
+
+
+def _embedding_object(item: dict[str, Any]) -> str:
+    """llama.cpp's object inputs: {"prompt_string": text} or {"content": [text parts]}."""
+    if isinstance(item.get("prompt_string"), str):
+        return item["prompt_string"]
+    parts = item.get("content")
+    if not isinstance(parts, list) or not parts:
+        raise InvalidRequestError(
+            'an input object is {"prompt_string": text} or {"content": [text parts]}', "input"
+        )
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"content parts of type {kind!r} are not supported", "input")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
 
 
 def sampling_params(

@@ -1,5 +1,5 @@
-"""llama.cpp server endpoints: /health, /slots, /props, /tokenize, /detokenize,
-/completion, /infill and POST /slots/{id}?action=save|restore|erase.
+"""llama.cpp server endpoints: /health, /slots, /props, /tokenize, /detokenize and
+POST /slots/{id}?action=save|restore|erase (generation is in llamacpp_completion.py).
 
 A llama.cpp "slot" is one sequence the server decodes in parallel; here each model
 replica has `max_num_seqs` of them (the engine's SlotInfo). A slot's prompt cache and
@@ -7,7 +7,6 @@ its files are a persistent context named `slot-{id}`.
 """
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,19 +14,13 @@ from fastapi import APIRouter, Request
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.llamacpp import (
     DetokenizeRequest,
-    LlamaCompletionRequest,
-    LlamaInfillRequest,
     SlotFileRequest,
     TokenizeRequest,
 )
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.outputs import ContextFile, SlotInfo
 from app.protocol.sampling import SamplingParams
-from app.text.fim import fim_prompt
-from deployments.ingress import Ingress, IngressDep, RequestTag
-from deployments.streaming import sse, stream
-
-WIRE = sse(lambda exc: {"error": {"message": exc.message}})
+from deployments.ingress import Ingress, IngressDep
 
 router = APIRouter()
 
@@ -153,7 +146,7 @@ async def slot_action(
     if action != "erase" and not body.filename:
         raise InvalidRequestError(f"{action} needs a filename", "filename")
     name = ingress.default_model(body.model)
-    _check_slot(ingress, name, id_slot, allow_any=False)
+    check_slot(ingress, name, id_slot, allow_any=False)
     if action == "erase":
         try:
             n = await ingress.call(name, "free_context", slot_op(id_slot, ContextAction.FREE))
@@ -179,96 +172,13 @@ async def slot_action(
     return {"id_slot": id_slot, "filename": body.filename, **counts, "timings": timings}
 
 
-@router.post("/completion")
-async def completion(req: LlamaCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    name = ingress.default_model(req.model)
-    ids = req.prompt
-    if isinstance(ids, str):
-        ids = await ingress.encode(name, ids, True) if ids else []
-    return await _complete(ingress, name, req, list(ids), tag)
-
-
-@router.post("/infill")
-async def infill(req: LlamaInfillRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    name = ingress.default_model(req.model)
-    ids = fim_prompt(ingress.tokenizers[name], req.input_prefix, req.input_suffix, req.prompt, name)
-    return await _complete(ingress, name, req, ids, tag)
-
-
-def _check_slot(ingress: Ingress, name: str, id_slot: int, allow_any: bool) -> None:
+def check_slot(ingress: Ingress, name: str, id_slot: int, allow_any: bool) -> None:
     slots = ingress.model(name).engine.max_num_seqs
     if allow_any and id_slot == -1:
         return
     if not 0 <= id_slot < slots:
         what = "-1 (any) or in" if allow_any else "in"
         raise InvalidRequestError(f"id_slot must be {what} [0, {slots})", "id_slot")
-
-
-async def _slot_context(ingress: Ingress, name: str, id_slot: int, ids: list[int]) -> list[int]:
-    """The slot keeps its tokens and KV (a context): a prompt that extends them computes
-    only the new part (returned); any other prompt starts the slot afresh."""
-    try:
-        held = await ingress.call(name, "context_tokens", slot_op(id_slot, ContextAction.READ))
-    except ShoalError:
-        held = None
-    if held and len(held) < len(ids) and ids[: len(held)] == held:
-        return ids[len(held) :]
-    if held is not None:
-        await ingress.call(name, "free_context", slot_op(id_slot, ContextAction.FREE))
-    return ids
-
-
-async def _complete(
-    ingress: Ingress, name: str, req: LlamaCompletionRequest, ids: list[int], tag: str
-):  # noqa: ANN202
-    if not ids:
-        raise InvalidRequestError("prompt must not be empty", "prompt")
-    _check_slot(ingress, name, req.id_slot, allow_any=True)
-    params = req.params(ingress.config.max_tokens_default)
-    stop = req.stop_strings  # checked before the slot is touched
-    context, new_ids = None, ids
-    if req.id_slot >= 0 and req.cache_prompt:
-        new_ids = await _slot_context(ingress, name, req.id_slot, ids)
-        context = slot_op(req.id_slot, ContextAction.GENERATE)
-    started = time.perf_counter()
-    gen = await ingress.generate(name, new_ids, params, stop, tag, context, ids)
-    out = gen.outputs[0]
-
-    def final() -> dict:
-        elapsed = time.perf_counter() - started
-        stop_type, word = ("limit" if out.finish_reason == "length" else "eos"), ""
-        if out.stops.stopped:
-            stop_type, word = "word", out.stops.matched or ""
-        return {
-            "content": out.text,
-            "id_slot": req.id_slot,
-            "stop": True,
-            "stop_type": stop_type,
-            "stopping_word": word,
-            "model": name,
-            "tokens_predicted": out.num_tokens,
-            "tokens_evaluated": len(ids),
-            "tokens_cached": len(ids) - len(new_ids),
-            "truncated": False,
-            "generation_settings": params.model_dump(mode="json"),
-            "timings": {
-                "predicted_n": out.num_tokens,
-                "predicted_ms": 1000 * elapsed,
-                "predicted_per_second": out.num_tokens / elapsed if elapsed else 0.0,
-            },
-        }
-
-    if not req.stream:
-        await gen.drain()
-        return final()
-
-    async def chunks() -> AsyncIterator[dict]:
-        async for d in gen.deltas():
-            if d.text:
-                yield {"content": d.text, "stop": False}
-        yield {**final(), "content": ""}
-
-    return stream(gen, chunks(), WIRE)
 
 
 async def _slot_counts(ingress: Ingress) -> tuple[int, int, list[str]]:

@@ -28,7 +28,7 @@ from app.text.tool_calls import ParsedCall, ToolFormat, call_grammar
 from app.text.tool_stream import ToolCallStream, whole_output
 from deployments.errors import error_shape
 from deployments.generation import Generation
-from deployments.ingress import Ingress, IngressDep, RequestTag
+from deployments.ingress import Ingress, IngressDep, RequestTag, unwrap
 from deployments.streaming import ndjson, stream
 
 OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
@@ -158,7 +158,7 @@ async def chat(req: OllamaChatRequest, ingress: IngressDep, tag: RequestTag):  #
 async def embed(req: OllamaEmbedRequest, ingress: IngressDep) -> dict:
     started = time.perf_counter()
     texts = [req.input] if isinstance(req.input, str) else list(req.input)
-    vectors, tokens = await _embed(ingress, req.model, texts)
+    vectors, tokens = await _embed(ingress, req.model, texts, req.truncate)
     return {
         "model": req.model,
         "embeddings": vectors,
@@ -309,7 +309,9 @@ def _ollama_call(call: ParsedCall) -> dict:
     return {"function": {"name": call.name, "arguments": arguments}}
 
 
-async def _embed(ingress: Ingress, model: str, texts: list[str]) -> tuple[list, int]:
+async def _embed(
+    ingress: Ingress, model: str, texts: list[str], truncate: bool = True
+) -> tuple[list, int]:
     name = model.removesuffix(":latest")
     if name not in ingress.embedding_models():
         if ingress.find_model(name) is not None:
@@ -324,7 +326,10 @@ async def _embed(ingress: Ingress, model: str, texts: list[str]) -> tuple[list, 
     limit = ingress.config.embeddings.max_batch_inputs
     if len(texts) > limit:
         raise InvalidRequestError(f"input has {len(texts)} texts; at most {limit}", "input")
-    return await ingress.embedder.embed.remote(texts)
+    try:
+        return await ingress.embedder.embed.remote(texts, truncate)
+    except Exception as exc:
+        raise unwrap(exc) from None
 
 
 def _now() -> str:

@@ -2,10 +2,13 @@
 /v1), and the pieces every OpenAI response shares; /v1/chat/completions is in
 openai_chat.py. Errors: {"error": {message, type, param, code}}."""
 
-import asyncio
 import base64
+import functools
+import hashlib
+import importlib.metadata
 import struct
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
@@ -16,14 +19,13 @@ from app.protocol.openai import (
     EmbeddingRequest,
     sampling_params,
 )
-from app.protocol.sampling import SamplingParams
 from deployments.errors import error_body
 from deployments.generation import Generation, OutputState
-from deployments.ingress import Ingress, IngressDep, RequestTag
+from deployments.ingress import Ingress, IngressDep, RequestTag, unwrap
+from deployments.run_all import run_all
 from deployments.streaming import sse, stream
 
 MAX_PROMPTS = 128  # prompts x n in one /v1/completions request
-PROMPTS_IN_FLIGHT = 8  # of one request's prompts, generating at once
 WIRE = sse(error_body, end="data: [DONE]\n\n")
 
 router = APIRouter()
@@ -55,7 +57,10 @@ async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestT
     if req.stream:
         gen = await ingress.generate(req.model, prompts[0], params, req.stop_strings, tag)
         return stream(gen, _completion_chunks(ingress, req, gen), WIRE)
-    gens = await _run_all(ingress, req, prompts, params, tag)
+    starts = [
+        partial(ingress.generate, req.model, ids, params, req.stop_strings) for ids in prompts
+    ]
+    gens = await run_all(starts, tag)
     choices = [
         _completion_choice(ingress, req, gen, out, i * req.n + out.index)
         for i, gen in enumerate(gens)
@@ -77,54 +82,17 @@ async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestT
     }
 
 
-async def _run_all(
-    ingress: Ingress,
-    req: CompletionRequest,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    tag: str,
-) -> list[Generation]:
-    """Several prompts, run together (at most PROMPTS_IN_FLIGHT at once, so that one
-    request cannot take a replica's every seat), each drained from its first token on.
-    They are started one after another: Serve gives every handle call made while serving
-    one HTTP request that request's internal id, and its router cannot tell two such
-    calls apart while both wait to be routed; a started one has been routed. If one
-    fails, the others are cancelled and its error is the answer."""
-    gens: list[Generation] = []
-    seats = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
-
-    async def drain(gen: Generation) -> None:
-        try:
-            await gen.drain()
-        finally:
-            seats.release()
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for i, ids in enumerate(prompts):
-                await seats.acquire()
-                gen = await ingress.generate(req.model, ids, params, req.stop_strings, f"{tag}.{i}")
-                gens.append(gen)
-                group.create_task(drain(gen))
-    except BaseException as failed:
-        for gen in gens:  # a drain cancelled before it first ran cannot cancel its own
-            gen.cancel()
-        if isinstance(failed, BaseExceptionGroup):
-            raise failed.exceptions[0] from None
-        raise
-    return gens
-
-
 async def embeddings(req: EmbeddingRequest, ingress: IngressDep) -> dict:
     req.model = ingress.embedding_name(req.model)
-    texts = [req.input] if isinstance(req.input, str) else list(req.input)
-    if not texts or any(not isinstance(t, str) or not t for t in texts):
-        raise InvalidRequestError("input must be a non-empty string or list of strings", "input")
-    if len(texts) > ingress.config.embeddings.max_batch_inputs:
+    inputs = req.inputs()
+    if len(inputs) > ingress.config.embeddings.max_batch_inputs:
         raise InvalidRequestError(
             f"at most {ingress.config.embeddings.max_batch_inputs} inputs", "input"
         )
-    vectors, tokens = await ingress.embedder.embed.remote(texts)
+    try:  # an input over the model's length is refused, as OpenAI does (no truncation)
+        vectors, tokens = await ingress.embedder.embed.remote(inputs, False)
+    except Exception as exc:
+        raise unwrap(exc) from None
     data = []
     for i, vec in enumerate(vectors):
         value: Any = vec
@@ -171,7 +139,16 @@ def response_head(gen: Generation, model: str, prefix: str, kind: str) -> dict:
         "object": kind,
         "created": gen.created,
         "model": model,
+        "system_fingerprint": fingerprint(model),
     }
+
+
+@functools.cache
+def fingerprint(model: str) -> str:
+    """OpenAI's system_fingerprint: names the serving build and the model; it changes
+    when either does (so a client can tell why seeded outputs differ)."""
+    build = importlib.metadata.version("shoal")
+    return "fp_" + hashlib.sha256(f"{build}/{model}".encode()).hexdigest()[:10]
 
 
 def usage_of(gen: Generation) -> dict:

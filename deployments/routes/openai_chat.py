@@ -45,7 +45,8 @@ async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag)
             choice["logprobs"] = {"content": _chat_logprobs(ingress, req.model, out.logprobs)}
         choices.append(choice)
     head = response_head(gen, req.model, "chatcmpl", "chat.completion")
-    return {**head, "choices": choices, "usage": usage_of(gen)}
+    # timings: llama.cpp's extension (the prompt's and the generation's speed).
+    return {**head, "choices": choices, "usage": usage_of(gen), "timings": gen.timings()}
 
 
 for _prefix in ("/v1", ""):
@@ -95,8 +96,12 @@ async def _chat_chunks(
         yield {**head, "choices": [choice]}
     async for d in gen.deltas():
         choice = _chat_delta(ingress, req, d, None if calls is None else calls[d.index])
-        if choice is not None:
+        if choice is None:
+            continue
+        if choice["finish_reason"] is None:
             yield {**head, "choices": [choice]}
+        else:  # an output's last chunk carries llama.cpp's timings, as llama.cpp's does
+            yield {**head, "choices": [choice], "timings": gen.timings()}
     if req.stream_options and req.stream_options.include_usage:
         yield {**head, "choices": [], "usage": usage_of(gen)}
 

@@ -1,0 +1,201 @@
+"""What clients of other servers send to the OpenAI routes: no `model` (or null, or an
+alias), token ids and llama.cpp's objects as embedding inputs, JSON bodies sent as form
+data (curl -d), CORS preflights; and what they read back (system_fingerprint, timings,
+the embedding model in /v1/models)."""
+
+import json
+
+import openai
+import pytest
+
+from deployments.config import AppConfig
+from deployments.embeddings import Embedder
+from tests.local_app import MODEL, http_client, local_app, run
+
+EMBEDDER = "all-MiniLM-L6-v2"
+ALIAS = "gpt-4o-mini"
+
+
+@pytest.fixture(scope="module")
+def wide_app(smollm2_engine, tmp_path_factory):
+    db = tmp_path_factory.mktemp("db") / "assistants.sqlite3"
+    config = AppConfig.model_validate(
+        {
+            "assistants": {"database_path": str(db)},
+            "cors_origins": ["*"],
+            "models": [{"name": MODEL, "aliases": [ALIAS]}],
+        }
+    )
+    embedder = Embedder(config.embeddings)
+    with local_app(config, smollm2_engine, embedder) as (app, _):
+        yield app, embedder
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def test_model_may_be_left_out_null_or_an_alias(wide_app):
+    app, _ = wide_app
+    ingress = app.state.ingress
+
+    async def scenario():
+        async with http_client(app) as http:
+            answers = {}
+            for name, extra in [
+                ("missing", {}),
+                ("null", {"model": None}),
+                ("alias", {"model": ALIAS}),
+                ("unknown", {"model": "no-such-model"}),
+            ]:
+                chat = await http.post("/v1/chat/completions", json={**CHAT, **extra})
+                text = await http.post(
+                    "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **extra}
+                )
+                answers[name] = chat, text
+            # With a second model served, leaving `model` out no longer names one.
+            ingress.runtime_models["other"] = ingress.config.models[0].model_copy(
+                update={"name": "other"}
+            )
+            try:
+                answers["ambiguous"] = (await http.post("/v1/chat/completions", json=CHAT),) * 2
+            finally:
+                ingress.runtime_models.pop("other")
+            return answers
+
+    answers = run(scenario())
+    for name in ("missing", "null", "alias"):
+        for reply in answers[name]:
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["model"] == MODEL
+            assert reply.json()["system_fingerprint"].startswith("fp_")
+    for reply in answers["unknown"]:
+        assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
+    ambiguous = answers["ambiguous"][0]
+    assert ambiguous.status_code == 400 and ambiguous.json()["error"]["param"] == "model"
+    fingerprints = {r.json()["system_fingerprint"] for r in answers["missing"]}
+    assert len(fingerprints) == 1
+
+
+def test_models_list_names_the_embedding_model(wide_app):
+    app, _ = wide_app
+
+    async def scenario():
+        async with http_client(app) as http:
+            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            listed = [m.id async for m in client.models.list()]
+            bare = (await http.get("/models")).json()
+            one = await client.models.retrieve(EMBEDDER)
+            return listed, bare, one
+
+    listed, bare, one = run(scenario())
+    assert listed == [MODEL, EMBEDDER]
+    assert [m["id"] for m in bare["data"]] == listed
+    assert one.id == EMBEDDER
+
+
+def test_embedding_inputs_in_every_form(wide_app):
+    """Token ids are the embedding model's own: ids of a text embed as the text does."""
+    app, embedder = wide_app
+    text = "The sky is blue"
+    ids = embedder.tokenizer(text, add_special_tokens=False).input_ids
+    half = text.split(" is ")
+
+    async def scenario():
+        async with http_client(app) as http:
+            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+
+            async def vectors(value):  # noqa: ANN001, ANN202
+                reply = await client.embeddings.create(input=value, model=EMBEDDER)
+                return [d.embedding for d in reply.data]
+
+            forms = {
+                "text": await vectors(text),
+                "ids": await vectors(ids),
+                "lists": await vectors([ids, text]),
+            }
+            raw = {}
+            for name, value in {
+                "mixed": [half[0], *embedder.tokenizer(" is").input_ids[1:-1], " " + half[1]],
+                "objects": [{"prompt_string": text}, {"content": [{"type": "text", "text": text}]}],
+            }.items():
+                reply = await http.post("/v1/embeddings", json={"input": value})
+                raw[name] = [d["embedding"] for d in reply.json()["data"]]
+            refused = {}
+            for name, value in {
+                "too long": "word " * 600,
+                "empty": "",
+                "no inputs": [],
+                "image": {"content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                "bad id": [10**9],
+            }.items():
+                refused[name] = await http.post("/v1/embeddings", json={"input": value})
+            ollama = await http.post("/api/embed", json={"model": EMBEDDER, "input": "word " * 600})
+            strict = await http.post(
+                "/api/embed", json={"model": EMBEDDER, "input": "word " * 600, "truncate": False}
+            )
+            return forms, raw, refused, ollama, strict
+
+    forms, raw, refused, ollama, strict = run(scenario())
+    close = pytest.approx(forms["text"][0], abs=1e-5)
+    assert forms["ids"][0] == close
+    assert len(forms["lists"]) == 2 and forms["lists"][0] == close and forms["lists"][1] == close
+    assert len(raw["mixed"]) == 1 and raw["mixed"][0] == close
+    assert len(raw["objects"]) == 2 and all(v == close for v in raw["objects"])
+    for name, reply in refused.items():
+        assert reply.status_code == 400, name
+        assert reply.json()["error"]["param"] == "input", name
+    assert "too large" in refused["too long"].json()["error"]["message"]
+    assert ollama.status_code == 200 and len(ollama.json()["embeddings"]) == 1
+    assert strict.status_code == 400 and "too large" in strict.json()["error"]
+
+
+def test_a_json_body_is_read_whatever_its_content_type(wide_app):
+    """As `curl -d` sends it (form-urlencoded), and with no type at all."""
+    app, _ = wide_app
+
+    async def scenario():
+        async with http_client(app) as http:
+            replies = []
+            for path, body in [
+                ("/v1/chat/completions", CHAT),
+                ("/api/chat", {"model": MODEL, **CHAT, "stream": False}),
+                ("/completion", {"prompt": "Hi", "n_predict": 2}),
+                ("/tokenize", {"content": "Hi"}),
+            ]:
+                for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+                    headers = {} if content_type is None else {"content-type": content_type}
+                    replies.append(await http.post(path, content=json.dumps(body), headers=headers))
+            return replies
+
+    for reply in run(scenario()):
+        assert reply.status_code == 200, (reply.request.url, reply.request.headers, reply.text)
+
+
+def test_chat_reports_timings_and_cors_preflights_answer(wide_app):
+    app, _ = wide_app
+
+    async def scenario():
+        async with http_client(app) as http:
+            whole = (await http.post("/v1/chat/completions", json=CHAT)).json()
+            async with http.stream(
+                "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+            ) as response:
+                lines = [line async for line in response.aiter_lines()]
+            preflight = await http.options(
+                "/v1/chat/completions",
+                headers={
+                    "Origin": "http://localhost:5173",
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "Authorization, Content-Type",
+                },
+            )
+            return whole, lines, preflight
+
+    whole, lines, preflight = run(scenario())
+    assert whole["timings"]["predicted_n"] == whole["usage"]["completion_tokens"]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    last = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    assert last["timings"]["predicted_n"] >= 1 and "timings" not in chunks[0]
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:5173")
+    assert "POST" in preflight.headers["access-control-allow-methods"]
