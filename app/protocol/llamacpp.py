@@ -119,7 +119,9 @@ class LlamaCompletionRequest(BaseModel):
             return Constraint(kind="json", spec=spec)
         return None
 
-    def params(self, default_max_tokens: int, bias: dict[int, float]) -> SamplingParams:
+    def params(
+        self, default_max_tokens: int, bias: dict[int, float] | None = None
+    ) -> SamplingParams:
         """`bias`: `bias_entries` with texts encoded, by token id."""
         fields = dict(
             max_tokens=default_max_tokens if self.n_predict == -1 else max(self.n_predict, 1),
@@ -134,7 +136,7 @@ class LlamaCompletionRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             constraint=self.constraint(),
             logprobs=self.n_probs or None,
-            logit_bias=bias,
+            logit_bias=bias or {},
         )
         names = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
         return sampling_params(fields, names)

@@ -272,7 +272,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [99999999]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 9}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": []}, 400, "input"),
     ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, "model"),
 ]
