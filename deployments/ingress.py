@@ -191,21 +191,35 @@ class Ingress:
         return await self.tokenizer.encode.remote(model, text, add_special_tokens, source)
 
     async def encode_chat(
-        self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None = None
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
+        """The prompt's ids under the model's chat template; `continue_final`: the last
+        (assistant) message is the reply's start, which the model goes on with."""
         source = self.model(model).engine.model
         try:
-            return await self.tokenizer.encode_chat.remote(model, messages, source, tools)
+            return await self.tokenizer.encode_chat.remote(
+                model, messages, source, tools, continue_final
+            )
         except Exception as exc:
             raise unwrap(exc) from None
 
     async def chat_prompt(
-        self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None = None
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """The text of the prompt `encode_chat` encodes."""
         source = self.model(model).engine.model
         try:
-            return await self.tokenizer.chat_prompt.remote(model, messages, source, tools)
+            return await self.tokenizer.chat_prompt.remote(
+                model, messages, source, tools, continue_final
+            )
         except Exception as exc:
             raise unwrap(exc) from None
 

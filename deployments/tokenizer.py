@@ -41,8 +41,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
-        return self._render(chat_token_ids, model, messages, source, tools)
+        return self._render(chat_token_ids, model, messages, source, tools, continue_final)
 
     def chat_prompt(
         self,
@@ -50,9 +51,10 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """The text `encode_chat` encodes (llama.cpp's /apply-template)."""
-        return self._render(chat_prompt, model, messages, source, tools)
+        return self._render(chat_prompt, model, messages, source, tools, continue_final)
 
     def _render(
         self,
@@ -61,12 +63,17 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         source: str | None,
         tools: list[dict[str, Any]] | None,
+        continue_final: bool,
     ) -> Any:
         tokenizer = self._get(model, source)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
+        if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+            raise InvalidRequestError(
+                "continuing the final message needs an assistant message last", "messages"
+            )
         try:
-            return render(tokenizer, messages, tools)
+            return render(tokenizer, messages, tools, continue_final)
         except InvalidRequestError:
             raise
         except Exception as exc:  # template errors (e.g. role order) are the client's

@@ -35,11 +35,15 @@ def tools_template(tokenizer: Any) -> str | None:
 
 
 def chat_prompt(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    continue_final: bool = False,
 ) -> str:
     """The prompt's text under the model's chat template, ready for the reply; with
     `tools` (or earlier calls and tool results in `messages`), under the template that
-    renders them."""
+    renders them. `continue_final`: the last message is the start of the reply (a
+    prefill), left open for the model to go on with."""
     template = None
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         template = tools_template(tokenizer)
@@ -48,14 +52,22 @@ def chat_prompt(
                 "this model's chat template does not render tools or tool results", "tools"
             )
     return tokenizer.apply_chat_template(
-        messages, tools=tools, chat_template=template, add_generation_prompt=True, tokenize=False
+        messages,
+        tools=tools,
+        chat_template=template,
+        add_generation_prompt=not continue_final,
+        continue_final_message=continue_final,
+        tokenize=False,
     )
 
 
 def chat_token_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
     """The prompt's token ids: `chat_prompt`'s text, encoded as transformers does for a
     rendered template (its special tokens are in the text, so none are added)."""
-    text = chat_prompt(tokenizer, messages, tools)
+    text = chat_prompt(tokenizer, messages, tools, continue_final)
     return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -189,6 +189,25 @@ class ChatCompletionRequest(ToolFields, _Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: the last (assistant) message is the reply's start, which the model goes on
+    # with (a prefill), rather than a turn it answers. It renders no generation prompt.
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+    timings_per_token: bool = False  # llama.cpp's: timings in every streamed chunk
+
+    @model_validator(mode="after")
+    def _prefill(self) -> "ChatCompletionRequest":
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError(
+                    "continue_final_message needs an assistant message last", "messages"
+                )
+        elif not self.add_generation_prompt:
+            raise InvalidRequestError(
+                "add_generation_prompt: false is only served with continue_final_message",
+                "add_generation_prompt",
+            )
+        return self
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]

@@ -3,7 +3,8 @@ a neutral Constraint.
 
 Structured outputs, one of: `response_format` (`json_object`, `json_schema`), vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or vLLM's newer
-`structured_outputs` object (`json`, `regex`, `choice`, `grammar`, `json_object`).
+`structured_outputs` object (`json`, `regex`, `choice`, `grammar`, `json_object`), or
+llama.cpp's `json_schema` / `grammar` (and its `json_object` with a `schema`).
 Tools: `tools`, `tool_choice` (`none`, `auto`, `required`, or a named function) and
 `parallel_tool_calls`; `required` and a named function are enforced by a grammar, so the
 arguments always parse against the function's schema.
@@ -36,6 +37,8 @@ class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama.cpp's: a json_object that must match this schema.
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
 
 
 class StructuredOutputs(BaseModel):
@@ -103,13 +106,16 @@ class StructuredFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp's names for the same two
+    grammar: str | None = None
 
     def output_constraint(self) -> Constraint | None:
         """The one constraint the request asks for (400 when it asks for two)."""
         asked: list[tuple[str, Constraint]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            asked.append(("response_format", Constraint(kind="json", spec=ANY_OBJECT)))
+            spec = _schema_text(rf.schema_, "response_format")
+            asked.append(("response_format", Constraint(kind="json", spec=spec)))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise InvalidRequestError(
@@ -123,6 +129,8 @@ class StructuredFields(BaseModel):
             ("guided_regex", self.guided_regex, ConstraintKind.REGEX),
             ("guided_choice", self.guided_choice, ConstraintKind.CHOICE),
             ("guided_grammar", self.guided_grammar, ConstraintKind.GRAMMAR),
+            ("json_schema", self.json_schema, ConstraintKind.JSON),
+            ("grammar", self.grammar, ConstraintKind.GRAMMAR),
         ]
         if so is not None:
             pairs += [

@@ -36,8 +36,9 @@ router = APIRouter()
 async def apply_template(req: ChatCompletionRequest, ingress: IngressDep) -> dict:
     """The prompt /v1/chat/completions would feed the model, as text."""
     name = ingress.served_name(req.model)
-    tools = req.template_tools()
-    return {"prompt": await ingress.chat_prompt(name, req.template_messages(), tools)}
+    messages, tools = req.template_messages(), req.template_tools()
+    prompt = await ingress.chat_prompt(name, messages, tools, req.continue_final_message)
+    return {"prompt": prompt}
 
 
 @router.post("/completion")

@@ -19,7 +19,9 @@ router = APIRouter()
 
 async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     req.model = ingress.served_name(req.model)
-    ids = await ingress.encode_chat(req.model, req.template_messages(), req.template_tools())
+    ids = await ingress.encode_chat(
+        req.model, req.template_messages(), req.template_tools(), req.continue_final_message
+    )
     # With tools, the output is read for calls in the syntax the model was shown, under
     # their grammar; response_format wins over it, except where a call is forced.
     fmt = ingress.tool_format(req.model) if req.uses_tools else None
@@ -98,7 +100,7 @@ async def _chat_chunks(
         choice = _chat_delta(ingress, req, d, None if calls is None else calls[d.index])
         if choice is None:
             continue
-        if choice["finish_reason"] is None:
+        if choice["finish_reason"] is None and not req.timings_per_token:
             yield {**head, "choices": [choice]}
         else:  # an output's last chunk carries llama.cpp's timings, as llama.cpp's does
             yield {**head, "choices": [choice], "timings": gen.timings()}

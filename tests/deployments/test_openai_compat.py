@@ -199,3 +199,43 @@ def test_chat_reports_timings_and_cors_preflights_answer(wide_app):
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:5173")
     assert "POST" in preflight.headers["access-control-allow-methods"]
+
+
+def test_llamacpp_extensions_on_chat(wide_app):
+    """A prefill continued (vLLM's continue_final_message), llama.cpp's top-level
+    grammar and json_schema, a json_object with a schema, and timings in every chunk."""
+    app, _ = wide_app
+    ask = [{"role": "user", "content": "Name a colour."}]
+    prefill = [*ask, {"role": "assistant", "content": "My favourite colour is"}]
+
+    async def scenario():
+        async with http_client(app) as http:
+            post = http.post
+            body = {"messages": prefill, "continue_final_message": True, "max_tokens": 4}
+            template = (await post("/apply-template", json=body)).json()["prompt"]
+            continued = (await post("/v1/chat/completions", json=body)).json()
+            refused = await post("/v1/chat/completions", json={**body, "messages": ask})
+            shaped = {}
+            for name, extra in [
+                ("grammar", {"grammar": 'root ::= "a"{5,5}'}),
+                ("json_schema", {"json_schema": {"const": "42"}}),
+                ("schema", {"response_format": {"type": "json_object", "schema": {"const": 7}}}),
+            ]:
+                reply = await post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, **extra})
+                shaped[name] = reply.json()["choices"][0]["message"]["content"]
+            async with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={**CHAT, "max_tokens": 4, "stream": True, "timings_per_token": True},
+            ) as response:
+                lines = [line async for line in response.aiter_lines()]
+            return template, continued, refused, shaped, lines
+
+    template, continued, refused, shaped, lines = run(scenario())
+    assert template.endswith("<|im_start|>assistant\nMy favourite colour is")
+    assert continued["choices"][0]["message"]["content"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    assert shaped == {"grammar": "aaaaa", "json_schema": '"42"', "schema": "7"}
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "timings" not in chunks[0]  # the role's chunk comes before any token
+    assert all("timings" in c for c in chunks[1:] if c["choices"])
