@@ -1,0 +1,254 @@
+"""Anthropic's Messages API request schemas, and their mapping onto chat-template
+messages, tools and neutral SamplingParams.
+
+Strict like the OpenAI schemas: an unknown field is a 400 naming it, and a content block
+this server cannot honour (images, documents, thinking) is a 400 that says so. A last
+assistant message is a prefill: the reply continues it.
+"""
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.protocol.errors import InvalidRequestError
+from app.protocol.openai_structured import (
+    MAX_TOOLS,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    ToolDef,
+    ToolFields,
+)
+from app.protocol.sampling import (
+    MAX_CONSTRAINT_CHARS,
+    MAX_SEED,
+    Constraint,
+    SamplingParams,
+    sampling_params,
+)
+from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+
+NOT_SUPPORTED = "is not supported by this server"
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a caching hint: every prefix is cached
+    citations: list[Any] | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def blocks(self) -> list[dict[str, Any]]:
+        if isinstance(self.content, str):
+            return [{"type": "text", "text": self.content}]
+        return self.content
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: OutputFormat | None = None
+    # How hard a reasoning model thinks: the models served here do not reason first.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """What decides a request's prompt: the body of /v1/messages/count_tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # None: the one model served
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> "CountTokensRequest":
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            raise InvalidRequestError(f"thinking {NOT_SUPPORTED}", "thinking")
+        choice = self.tool_choice
+        if choice is not None and choice.type == "tool" and not choice.name:
+            raise InvalidRequestError("tool_choice of type tool needs a name", "tool_choice")
+        self.tool_fields()  # names unique, a named choice among them
+        return self
+
+    @property
+    def prefill(self) -> str | None:
+        """The text a last assistant message starts the reply with."""
+        last = self.messages[-1]
+        if last.role != "assistant":
+            return None
+        return "".join(b.get("text", "") for b in last.blocks() if b.get("type") == "text")
+
+    def tool_fields(self) -> ToolFields:
+        """The tools and choice as the OpenAI tool machinery takes them."""
+        tools = [
+            ToolDef(
+                type="function",
+                function=FunctionDef(
+                    name=t.name, description=t.description, parameters=t.input_schema
+                ),
+            )
+            for t in self.tools or []
+        ]
+        choice = self.tool_choice
+        kind = None if choice is None else choice.type
+        named = None
+        if kind == "tool":
+            named = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        openai_choice = {"auto": "auto", "any": "required", "none": "none", None: None}
+        parallel = not (choice is not None and choice.disable_parallel_tool_use)
+        return ToolFields(
+            tools=tools or None,
+            tool_choice=named or openai_choice[kind],
+            parallel_tool_calls=parallel,
+        )
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates take it (OpenAI's roles): the system
+        prompt, then each message, tool results as `tool` messages and tool uses as an
+        assistant's `tool_calls`."""
+        out: list[dict[str, Any]] = []
+        system = self.system
+        if isinstance(system, list):
+            system = "".join(b.text for b in system)
+        if system:
+            out.append({"role": "system", "content": system})
+        for i, message in enumerate(self.messages):
+            out += _template_messages(message, f"messages.{i}")
+        return out
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stream: bool = False
+    output_config: OutputConfig | None = None
+    # Sampling: the API's older fields, which its current SDK sends only as extra_body.
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # not Anthropic's: vLLM's extension
+    # Accepted, and nothing here depends on them: who asks, where and how fast it runs,
+    # and cache hints (every prompt prefix is cached anyway).
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    cache_control: dict[str, Any] | None = None
+    container: None = Field(None, description="Code-execution containers: not served.")
+
+    def output_constraint(self) -> Constraint | None:
+        fmt = self.output_config.format if self.output_config else None
+        if fmt is None:
+            return None
+        spec = json.dumps(fmt.schema_)
+        if len(spec) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError("output_config.format.schema is too large", "output_config")
+        return Constraint(kind="json", spec=spec)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return check_stop_strings(list(self.stop_sequences or ()), "stop_sequences")
+
+    def params(self, constraint: Any = None) -> SamplingParams:
+        fields = dict(
+            max_tokens=self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            constraint=constraint,
+        )
+        return sampling_params(fields)
+
+
+def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as template messages: a user message's tool results each
+    become a `tool` message (before its text), an assistant's tool uses its
+    `tool_calls`."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for block in message.blocks():
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(TextBlock.model_validate(block).text)
+        elif kind == "tool_use" and message.role == "assistant":
+            calls.append(_tool_use(block, where))
+        elif kind == "tool_result" and message.role == "user":
+            results.append(_tool_result(block, where))
+        else:
+            raise InvalidRequestError(
+                f"{where}: {message.role} content blocks of type {kind!r} {NOT_SUPPORTED}",
+                "messages",
+            )
+    out: list[dict[str, Any]] = list(results)
+    if texts or calls or not results:
+        entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        if calls:
+            entry["tool_calls"] = calls
+        out.append(entry)
+    return out
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise InvalidRequestError(f"{where}: a tool_use block needs id and name", "messages")
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{where}: a tool_use block's input is an object", "messages")
+    function = {"name": block["name"], "arguments": arguments}
+    return {"id": block["id"], "type": "function", "function": function}
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str):
+        raise InvalidRequestError(f"{where}: a tool_result block needs tool_use_id", "messages")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequestError(
+                    f"{where}: tool_result content is text blocks only here", "messages"
+                )
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    elif not isinstance(content, str):
+        content = json.dumps(content)
+    if block.get("is_error"):
+        content = f"Error: {content}"
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
