@@ -18,7 +18,7 @@ from app.protocol.assistants import (
 from app.protocol.errors import ShoalError
 from deployments.assistants import service
 from deployments.assistants.service import AssistantsDep
-from deployments.assistants.thread_context import free
+from deployments.assistants.thread_context import free_thread
 from deployments.ingress import Ingress, IngressDep
 
 logger = logging.getLogger("ray.serve")
@@ -112,7 +112,7 @@ async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep) -
         a.runs.stop(run_id)
     for model in ingress.served_models():  # its context, wherever a run left one
         try:
-            await free(ingress, model.name, thread_id)
+            await free_thread(ingress, model.name, thread_id)
         except ShoalError as exc:  # deleted all the same: an idle context ages out
             logger.warning("thread %s: its context stays for now: %s", thread_id, exc.message)
     return deleted

@@ -1,0 +1,146 @@
+"""A response being made (OpenAI's Responses API): its Response object, its stored
+entry, and its output items (assistant text and function calls) built from the text."""
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from app.protocol.responses import ResponsesRequest
+from app.text.tool_calls import ToolFormat
+from app.text.tool_stream import whole_output
+from deployments.generation import Generation
+from deployments.response_store import ResponseStore, StoredResponse
+
+
+@dataclass
+class Turn:
+    """One response being made: what its object and its stored entry are built from."""
+
+    id: str
+    model: str
+    req: ResponsesRequest
+    created_at: int
+    chain: str
+    prompt_tokens: int
+    reused: int  # prompt tokens the chain's context already held
+    new_messages: list[dict[str, Any]]
+    fmt: ToolFormat | None
+
+    def body(self, status: str, output: list[dict], gen: Generation | None) -> dict[str, Any]:
+        req = self.req
+        usage = None
+        if gen is not None:
+            out = gen.outputs[0].num_tokens
+            cached = self.reused + gen.cached_tokens
+            usage = {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                "output_tokens": out,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + out,
+            }
+        choice = req.tool_choice
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "store": req.store,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "text": req.text.model_dump(by_alias=True, exclude_none=True)
+            if req.text
+            else {"format": {"type": "text"}},
+            "tool_choice": choice.model_dump()
+            if hasattr(choice, "model_dump")
+            else choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def finish(self, store: ResponseStore, output: list[dict], gen: Generation) -> dict:
+        """The finished response's object, stored (with `store`) for GET and follow-ups."""
+        status = "incomplete" if gen.outputs[0].finish_reason == "length" else "completed"
+        body = self.body(status, output, gen)
+        if self.req.store:
+            messages = [*self.new_messages, assistant_message(output)]
+            store.put(
+                StoredResponse(
+                    self.id,
+                    self.model,
+                    self.chain,
+                    self.req.previous_response_id,
+                    self.req.input_items(),
+                    messages,
+                    body,
+                )
+            )
+        return body
+
+
+def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    return {
+        "type": "message",
+        "id": item_id or f"msg_{uuid.uuid4().hex}",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call_id.removeprefix('call_')}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_items(text: str, fmt: ToolFormat | None) -> list[dict]:
+    """A finished output as Responses output items: its text, then its calls."""
+    if fmt is None:
+        return [message_item(text)]
+    content, calls = whole_output(fmt, text)
+    items = [message_item(content)] if content or not calls else []
+    return items + [call_item(i, c.name, c.arguments) for i, c in calls]
+
+
+def assistant_message(output: list[dict]) -> dict[str, Any]:
+    """The output as the chat template renders it in the next turn's prompt."""
+    text = "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"])
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    calls = [i for i in output if i["type"] == "function_call"]
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": c["call_id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": _json_object(c["arguments"])},
+            }
+            for c in calls
+        ]
+    return message
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {}  # cut off mid-call: templates take arguments as an object
