@@ -32,7 +32,8 @@ class Turn:
         usage = None
         if gen is not None:
             out = gen.outputs[0].num_tokens
-            cached = self.reused + gen.cached_tokens
+            # A context's held tokens count as cached in the engine's report too.
+            cached = max(self.reused, gen.cached_tokens)
             usage = {
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
