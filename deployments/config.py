@@ -224,6 +224,12 @@ class AppConfig(BaseModel):
     tokenizer_max_ongoing_requests: int = Field(256, ge=1)
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     cors_origins: list[str] = Field(default_factory=list, description="Empty: CORS off.")
+    strict_model_names: bool = Field(
+        False,
+        description="On the OpenAI-style routes, answer a name that is no served model's "
+        "(nor alias) with 404 even when one model is served. Off: with one model served, "
+        "any name means it, as llama.cpp's server takes it (clients hard-code gpt-* names).",
+    )
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
     request_body_timeout_s: float = Field(
         30.0, gt=0, description="A request body must arrive within this long (else 408)."

@@ -95,27 +95,32 @@ class Ingress:
         return self.config.models[0].name if not name else self.model(name).name
 
     def served_name(self, name: str | None) -> str:
-        """The model an OpenAI-style request names: its served name for a name or alias;
-        with one model served, a missing or null `model` means that one (as llama.cpp and
-        vLLM take it); with several, it is a 400."""
-        if name:
-            return self.model(name).name
+        """The model an OpenAI-style request names: its served name for a name or alias.
+        With one model served, a missing or null `model` means that one (as llama.cpp
+        and vLLM take it), and so does any other name unless `strict_model_names`; with
+        several, a missing one is a 400 and an unknown one a 404."""
         served = self.served_models()
-        if len(served) != 1:
-            names = ", ".join(m.name for m in served)
-            raise InvalidRequestError(f"model is required: this server serves {names}", "model")
-        return served[0].name
+        found = self.find_model(name) if name else None
+        if found is not None:
+            return found.name
+        if len(served) == 1 and (not name or not self.config.strict_model_names):
+            return served[0].name
+        if name:
+            raise UnknownModelError(f"The model '{name}' does not exist", param="model")
+        names = ", ".join(m.name for m in served)
+        raise InvalidRequestError(f"model is required: this server serves {names}", "model")
 
     def embedding_name(self, name: str | None) -> str:
-        """The embedding model `name` names (any, when not given); 404 otherwise."""
+        """The embedding model `name` names; with one served, any name (as for
+        `served_name`); 404 otherwise."""
         models = self.embedding_models()
         if not models:
             raise UnknownModelError("this server serves no embedding model", param="model")
-        if not name:
+        if name in models:
+            return name
+        if len(models) == 1 and (not name or not self.config.strict_model_names):
             return models[0]
-        if name not in models:
-            raise UnknownModelError(f"The model '{name}' does not exist", param="model")
-        return name
+        raise UnknownModelError(f"The model '{name}' does not exist", param="model")
 
     async def add_model(self, config: ModelDeploymentConfig, handle: Any) -> None:
         """Serve a model started at run time (its tokenizer is loaded first, off the loop)."""

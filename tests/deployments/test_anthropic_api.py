@@ -198,7 +198,16 @@ def test_errors_in_anthropics_shape(app):
             raw = await http.post("/v1/messages", json={"model": MODEL, "messages": ASK})
         return errors, raw
 
-    errors, raw = run(_with_client_app(scenario))
+    # A name that is no served model's is a 404 with strict_model_names (otherwise, with
+    # one model served, any name means it, as clients hard-code claude-* names).
+    ingress = app.state.ingress
+    config = ingress.config
+    ingress.config = config.model_copy(update={"strict_model_names": True})
+
+    try:
+        errors, raw = run(_with_client_app(scenario))
+    finally:
+        ingress.config = config
     assert isinstance(errors["unknown model"], anthropic.NotFoundError)
     assert isinstance(errors["image"], anthropic.BadRequestError)
     assert isinstance(errors["thinking"], anthropic.BadRequestError)

@@ -72,7 +72,7 @@ def test_refusals_come_back_in_each_dialects_shape(app):
             openai_400 = await http.post(
                 "/v1/completions", json={"model": MODEL, "prompt": "x", "seed": -1}
             )
-            openai_404 = await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+            openai_404 = await http.get("/v1/models/nope")
             ollama_404 = await http.post("/api/chat", json={"model": "nope", "messages": []})
             parrot_404 = await http.post("/free_context", json={"context_id": 12345})
             return openai_400, openai_404, ollama_404, parrot_404

@@ -34,44 +34,55 @@ def wide_app(smollm2_engine, tmp_path_factory):
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
-def test_model_may_be_left_out_null_or_an_alias(wide_app):
+def test_model_may_be_left_out_null_an_alias_or_any_name(wide_app):
+    """With one model served, any `model` means it (as llama.cpp's server takes it),
+    unless strict_model_names; with two, a missing one is a 400, an unknown one a 404."""
     app, _ = wide_app
     ingress = app.state.ingress
 
     async def scenario():
         async with http_client(app) as http:
+
+            async def both(extra: dict) -> tuple:
+                chat = await http.post("/v1/chat/completions", json={**CHAT, **extra})
+                text = await http.post(
+                    "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **extra}
+                )
+                return chat, text
+
             answers = {}
             for name, extra in [
                 ("missing", {}),
                 ("null", {"model": None}),
                 ("alias", {"model": ALIAS}),
-                ("unknown", {"model": "no-such-model"}),
+                ("any", {"model": "gpt-3.5-turbo"}),
             ]:
-                chat = await http.post("/v1/chat/completions", json={**CHAT, **extra})
-                text = await http.post(
-                    "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **extra}
-                )
-                answers[name] = chat, text
-            # With a second model served, leaving `model` out no longer names one.
-            ingress.runtime_models["other"] = ingress.config.models[0].model_copy(
-                update={"name": "other"}
-            )
+                answers[name] = await both(extra)
+            config = ingress.config
+            ingress.config = config.model_copy(update={"strict_model_names": True})
             try:
-                answers["ambiguous"] = (await http.post("/v1/chat/completions", json=CHAT),) * 2
+                answers["strict"] = await both({"model": "gpt-3.5-turbo"})
+                answers["strict alias"] = await both({"model": ALIAS})
+            finally:
+                ingress.config = config
+            ingress.runtime_models["other"] = config.models[0].model_copy(update={"name": "other"})
+            try:
+                answers["two, missing"] = await both({})
+                answers["two, unknown"] = await both({"model": "gpt-3.5-turbo"})
             finally:
                 ingress.runtime_models.pop("other")
             return answers
 
     answers = run(scenario())
-    for name in ("missing", "null", "alias"):
+    for name in ("missing", "null", "alias", "any", "strict alias"):
         for reply in answers[name]:
-            assert reply.status_code == 200, reply.text
+            assert reply.status_code == 200, (name, reply.text)
             assert reply.json()["model"] == MODEL
             assert reply.json()["system_fingerprint"].startswith("fp_")
-    for reply in answers["unknown"]:
-        assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
-    ambiguous = answers["ambiguous"][0]
-    assert ambiguous.status_code == 400 and ambiguous.json()["error"]["param"] == "model"
+    for name, status in (("strict", 404), ("two, missing", 400), ("two, unknown", 404)):
+        for reply in answers[name]:
+            assert reply.status_code == status, (name, reply.text)
+            assert reply.json()["error"]["param"] == "model"
     fingerprints = {r.json()["system_fingerprint"] for r in answers["missing"]}
     assert len(fingerprints) == 1
 
