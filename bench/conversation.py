@@ -12,6 +12,8 @@ the last turn is asked three ways, streamed, timing the first output_text.delta:
   server with automatic prefix caching gets while its blocks are still cached);
 - resend, no cache: the same on an engine with prefix caching off (a server without
   it, or a history whose blocks were evicted).
+TTFT is taken where the SDK sees the event: the app's stream reaches it as it is sent
+(`StreamingTransport`; httpx's own ASGI transport would hand it over only whole).
 Medians are printed with the ratios; the last line is a JSON object with every figure.
 """
 
@@ -26,11 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
-from tests.local_app import MODEL, http_client, local_app  # noqa: E402
+from tests.local_app import MODEL, local_app  # noqa: E402
 
 WORDS = [
     "river",
@@ -46,6 +49,73 @@ WORDS = [
     "ocean",
     "market",
 ]
+
+
+class StreamingTransport(httpx.AsyncBaseTransport):
+    """An ASGI app as httpx's transport, its response handed over at its start and its
+    body streamed as the app sends it."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        self.app = app
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = b"".join([chunk async for chunk in request.stream])
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        closed = asyncio.Event()
+        request_sent = False
+
+        async def receive() -> dict:
+            nonlocal request_sent
+            if not request_sent:
+                request_sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await closed.wait()  # the client closed the response: a disconnect
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                started.set_result(message)
+            elif message["type"] == "http.response.body":
+                chunks.put_nowait(message.get("body", b""))
+
+        url = request.url
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": request.method,
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "scheme": url.scheme,
+            "path": url.path,
+            "raw_path": url.raw_path.split(b"?")[0],
+            "query_string": url.query,
+            "server": (url.host, url.port),
+            "client": ("127.0.0.1", 0),
+            "root_path": "",
+        }
+        app = asyncio.create_task(self.app(scope, receive, send))
+        app.add_done_callback(lambda _: chunks.put_nowait(None))  # the body's end
+        await asyncio.wait({started, app}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            app.result()  # the app's failure, if it failed
+            raise RuntimeError("the app ended without a response")
+        head = started.result()
+        stream = _Body(chunks, closed, app)
+        return httpx.Response(head["status"], headers=head.get("headers", []), stream=stream)
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, chunks: asyncio.Queue, closed: asyncio.Event, app: asyncio.Task) -> None:
+        self.chunks, self.closed, self.app = chunks, closed, app
+
+    async def __aiter__(self):  # noqa: ANN204
+        while (chunk := await self.chunks.get()) is not None:
+            yield chunk
+
+    async def aclose(self) -> None:
+        self.closed.set()
+        await self.app
 
 
 def user_turn(rng: random.Random, words: int) -> str:
@@ -90,7 +160,8 @@ async def conversation(client, rng, args) -> tuple[str, list[dict], str]:  # noq
 async def run_app(app, args, chained: bool) -> dict[str, list[float]]:  # noqa: ANN001
     rng = random.Random(0)
     figures: dict[str, list[float]] = {"chained": [], "resend": [], "prompt_tokens": []}
-    async with http_client(app) as http:
+    transport = StreamingTransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://local") as http:
         client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
         for _ in range(args.repeats):
             # Each way on a conversation of its own (same shape, other words), so that

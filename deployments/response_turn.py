@@ -60,9 +60,7 @@ class Turn:
             "store": req.store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
-            "text": req.text.model_dump(by_alias=True, exclude_none=True)
-            if req.text
-            else {"format": {"type": "text"}},
+            "text": _text_echo(req),
             "tool_choice": choice.model_dump()
             if hasattr(choice, "model_dump")
             else choice or "auto",
@@ -138,6 +136,41 @@ def assistant_message(output: list[dict]) -> dict[str, Any]:
             for c in calls
         ]
     return message
+
+
+def listed_item(response_id: str, index: int, item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it: an id (the client's, or one made from the
+    response's and the item's place, the same on every listing, for `after`), a status,
+    and a message's text as input_text parts (output_text for the assistant's)."""
+    kind = item.get("type", "message")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+    listed = {
+        **item,
+        "type": kind,
+        "id": item.get("id") or f"{prefix}_{response_id.removeprefix('resp_')}_{index}",
+        "status": "completed",
+    }
+    if kind == "message":
+        content = item["content"]
+        texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+        if item["role"] == "assistant":
+            listed["content"] = [
+                {"type": "output_text", "text": t, "annotations": []} for t in texts
+            ]
+        else:
+            listed["content"] = [{"type": "input_text", "text": t} for t in texts]
+    return listed
+
+
+def _text_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text else None
+    if fmt is None or fmt.type != "json_schema":  # text and json_object: the type alone
+        echo: dict[str, Any] = {"format": {"type": fmt.type if fmt else "text"}}
+    else:
+        echo = {"format": fmt.model_dump(by_alias=True, exclude_none=True)}
+    if req.text and req.text.verbosity:
+        echo["verbosity"] = req.text.verbosity
+    return echo
 
 
 def _json_object(text: str) -> Any:

@@ -70,7 +70,9 @@ class _Items:
         if item["type"] == "message":
             item = message_item(self.text, "completed", item["id"])
             part = item["content"][0]
-            events.append(self._part("response.output_text.done", None, item, text=self.text))
+            events.append(
+                self._part("response.output_text.done", None, item, text=self.text, logprobs=[])
+            )
             events.append(self._part("response.content_part.done", part, item))
         else:
             item["status"] = "completed"

@@ -34,16 +34,19 @@ async def generate_in_context(
     prompt_ids: list[int],
     params: SamplingParams,
     tag: str,
+    busy_pauses: tuple[float | None, ...] = BUSY_PAUSES_S,
 ) -> tuple[Generation, int]:
     """Start the turn's generation in context `cid`; also returns how many of the
-    prompt's tokens the context already held (0: rebuilt)."""
+    prompt's tokens the context already held (0: rebuilt). A context still busy after
+    `busy_pauses` is a 409."""
     held = await held_tokens(ingress, model, cid)
     stale = held is not None  # a copy that the rebuild must drop first
     if held is not None and _extends(prompt_ids, held):
         op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=len(held))
         try:
             new = prompt_ids[len(held) :]
-            return await _generate(ingress, model, new, params, tag, op, prompt_ids), len(held)
+            gen = await _generate(ingress, model, new, params, tag, op, prompt_ids, busy_pauses)
+            return gen, len(held)
         except ShoalError as exc:  # lost or changed since the read (410): rebuild
             if not _gone(exc):
                 raise
@@ -59,7 +62,10 @@ async def generate_in_context(
         if stale:
             await free(ingress, model, cid)
         try:
-            return await _generate(ingress, model, prompt_ids, params, tag, op, prompt_ids), 0
+            gen = await _generate(
+                ingress, model, prompt_ids, params, tag, op, prompt_ids, busy_pauses
+            )
+            return gen, 0
         except ShoalError as exc:
             if not _gone(exc) or attempt == 1:
                 raise
@@ -75,10 +81,11 @@ async def _generate(
     tag: str,
     op: ContextOp,
     prompt_ids: list[int],
+    busy_pauses: tuple[float | None, ...],
 ) -> Generation:
     """Start it; a context still busy for a moment (the generation of a run cancelled
     just before, which its replica has not yet let go of) is waited for briefly."""
-    for pause in BUSY_PAUSES_S:
+    for pause in busy_pauses:
         try:
             return await ingress.generate(
                 model, new_ids, params, [], tag, op, detok_prefix=prompt_ids

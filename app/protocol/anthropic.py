@@ -90,6 +90,13 @@ class CountTokensRequest(BaseModel):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None  # constrains the reply, not the prompt
+    # Accepted, and the prompt does not depend on them: cache hints (every prompt
+    # prefix is cached anyway), how fast it runs, and who asks.
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> "CountTokensRequest":
@@ -102,12 +109,12 @@ class CountTokensRequest(BaseModel):
         return self
 
     @property
-    def prefill(self) -> str | None:
-        """The text a last assistant message starts the reply with."""
+    def continues_reply(self) -> bool:
+        """A last assistant message of text is a prefill: the reply goes on from it (an
+        empty one, which the API allows, from the start of the turn). One that ends in
+        tool uses is a finished turn."""
         last = self.messages[-1]
-        if last.role != "assistant":
-            return None
-        return "".join(b.get("text", "") for b in last.blocks() if b.get("type") == "text")
+        return last.role == "assistant" and all(b.get("type") == "text" for b in last.blocks())
 
     def tool_fields(self) -> ToolFields:
         """The tools and choice as the OpenAI tool machinery takes them."""
@@ -152,21 +159,17 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
-    output_config: OutputConfig | None = None
     # Sampling: the API's older fields, which its current SDK sends only as extra_body.
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # not Anthropic's: vLLM's extension
-    # Accepted, and nothing here depends on them: who asks, where and how fast it runs,
-    # and cache hints (every prompt prefix is cached anyway).
+    # Accepted, and nothing here depends on them: who asks, where it runs, and the
+    # prompt-cache report against an earlier message (not kept here).
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    speed: Literal["standard", "fast"] | None = None
     inference_geo: str | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
-    cache_control: dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
     container: None = Field(None, description="Code-execution containers: not served.")
 
     def output_constraint(self) -> Constraint | None:

@@ -88,7 +88,7 @@ async def _prompt(ingress: Ingress, req: CountTokensRequest) -> tuple[str, list[
     name = ingress.served_name(req.model)
     tools = req.tool_fields()
     messages = req.template_messages()
-    ids = await ingress.encode_chat(name, messages, tools.template_tools(), bool(req.prefill))
+    ids = await ingress.encode_chat(name, messages, tools.template_tools(), req.continues_reply)
     return name, ids, tools
 
 
@@ -144,6 +144,8 @@ class _Blocks:
         events = self.stop()
         self.open = key
         events.append({"type": "content_block_start", "index": self.count, "content_block": block})
+        if self.count == 0:  # Anthropic's streams ping once, after the first block opens
+            events.append({"type": "ping"})
         return events
 
     def stop(self) -> list[dict]:
@@ -161,7 +163,6 @@ async def _events(gen: Generation, head: dict, fmt: ToolFormat | None) -> AsyncI
     usage = {**_input_usage(gen), "output_tokens": 0}
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield {"type": "message_start", "message": message}
-    yield {"type": "ping"}
     blocks = _Blocks()
     calls = ToolCallStream(fmt) if fmt is not None else None
     out = gen.outputs[0]

@@ -4,24 +4,33 @@ GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
 A response may continue from `previous_response_id`: the stored conversation up to it,
 then the new input, rendered with the model's chat template. A chain of stored responses
 shares one persistent context (deployments/warm_context.py): a follow-up appends only its
-new tokens, with no re-prefill of the history. `instructions` are never carried over,
+new tokens, with no re-prefill of the history (a branch started while another turn of
+its chain holds the context runs without it). `instructions` are never carried over,
 as OpenAI documents: each request's own lead the prompt.
 """
 
+import logging
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
+from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.responses import ResponsesRequest
+from app.protocol.sampling import SamplingParams
+from deployments.generation import Generation
 from deployments.ingress import Ingress, IngressDep, RequestTag
 from deployments.response_store import ResponseStore
-from deployments.response_turn import Turn, output_items
+from deployments.response_turn import Turn, listed_item, output_items
 from deployments.responses_events import error_event, response_events
 from deployments.streaming import stream, typed_sse
 from deployments.warm_context import free, generate_in_context
 
+logger = logging.getLogger("ray.serve")
+# A chain's context busy with another turn is waited for only briefly (a turn that has
+# just ended may not be settled yet); a parallel branch then runs without it.
+CHAIN_BUSY_PAUSES_S = (0.05, 0.1, 0.2, None)
 WIRE = typed_sse(lambda exc: {**error_event(exc), "sequence_number": 0})
 
 router = APIRouter(prefix="/v1")
@@ -59,15 +68,38 @@ async def create(req: ResponsesRequest, ingress: IngressDep, store: StoreDep, ta
     params = req.params(ingress.config.max_tokens_default, constraint)
     rid = f"resp_{uuid.uuid4().hex}"
     chain = previous.chain if previous is not None else rid
-    if req.store:  # the chain's context grows with each stored turn
-        gen, reused = await generate_in_context(ingress, name, context_id(chain), ids, params, tag)
-    else:  # a turn nobody can continue leaves the chain's context as it was
-        gen, reused = await ingress.generate(name, ids, params, [], tag), 0
+    gen, reused = await _start(
+        ingress, name, ids, params, tag, context_id(chain) if req.store else None
+    )
     turn = Turn(rid, name, req, int(time.time()), chain, len(ids), reused, new_messages, fmt)
     if req.stream:
         return stream(gen, response_events(turn, gen, store), WIRE)
     await gen.drain()
     return turn.finish(store, output_items(gen.outputs[0].text, fmt), gen)
+
+
+async def _start(
+    ingress: Ingress,
+    model: str,
+    ids: list[int],
+    params: SamplingParams,
+    tag: str,
+    cid: str | None,
+) -> tuple[Generation, int]:
+    """The turn's generation, and how many prompt tokens its chain's context held. A
+    stored turn extends the chain's context; a turn nobody can continue (`store: false`)
+    leaves it as it was. While another turn of the chain holds the context (a parallel
+    branch from the same response), this one runs without it: same reply, no reuse."""
+    if cid is not None:
+        try:
+            return await generate_in_context(
+                ingress, model, cid, ids, params, tag, CHAIN_BUSY_PAUSES_S
+            )
+        except ShoalError as exc:
+            if exc.status_code != 409:
+                raise
+            logger.info("context %s is busy: this turn runs without it", cid)
+    return await ingress.generate(model, ids, params, [], tag), 0
 
 
 @router.get("/responses/{response_id}")
@@ -80,30 +112,41 @@ async def delete(response_id: str, ingress: IngressDep, store: StoreDep) -> dict
     entry = store.get(response_id)
     store.delete(response_id)
     if entry.chain == response_id:  # the chain's first turn: its context goes with it
-        await free(ingress, entry.model, context_id(entry.chain))
+        try:
+            await free(ingress, entry.model, context_id(entry.chain))
+        except ShoalError as exc:  # busy: a turn is generating in it; it ages out instead
+            if exc.status_code != 409:
+                raise
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.get("/responses/{response_id}/input_items")
-async def input_items(response_id: str, store: StoreDep) -> dict:
+async def input_items(
+    response_id: str,
+    store: StoreDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query()] = None,  # nothing extra to include
+) -> dict:
+    """The response's own input items (not those of the responses it continued), newest
+    first unless `order=asc`, a page of `limit` after the item `after`."""
     items = [
-        {"id": f"msg_{response_id[5:]}_{i}", **_as_listed(item)}
+        listed_item(response_id, i, item)
         for i, item in enumerate(store.get(response_id).input_items)
     ]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequestError(f"no input item {after!r} in {response_id}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
     return {
         "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": False,
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
     }
-
-
-def _as_listed(item: dict) -> dict:
-    """An input item as OpenAI lists it: a message's text as an input_text part."""
-    if item.get("type", "message") != "message":
-        return item
-    content = item.get("content")
-    if isinstance(content, str):
-        content = [{"type": "input_text", "text": content}]
-    return {"type": "message", "status": "completed", **item, "content": content}

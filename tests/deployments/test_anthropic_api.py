@@ -13,6 +13,7 @@ from deployments.config import AppConfig
 from tests.local_app import MODEL, http_client, local_app, run
 
 ASK = [{"role": "user", "content": "Name three colours."}]
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
 WEATHER = {
     "name": "get_weather",
     "description": "The current weather in a city",
@@ -25,12 +26,19 @@ WEATHER = {
 }
 
 
-async def _with_client(app, fn, key: str = "x"):  # noqa: ANN001, ANN202
-    # anthropic 2 speaks through httpx2 (httpx's successor), which has its own ASGI transport.
-    transport = httpx2.ASGITransport(app=app)
-    async with httpx2.AsyncClient(transport=transport, base_url="http://local") as http:
-        client = anthropic.AsyncAnthropic(base_url="http://local", api_key=key, http_client=http)
-        return await fn(client)
+def _with_client(app, scenario, key: str = "x"):  # noqa: ANN001, ANN202
+    """Run `scenario(client)` with the official SDK over the in-process app."""
+
+    async def go():  # noqa: ANN202
+        # anthropic 2 speaks through httpx2 (httpx's successor), with its own ASGI transport.
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://local") as http:
+            client = anthropic.AsyncAnthropic(
+                base_url="http://local", api_key=key, http_client=http
+            )
+            return await scenario(client)
+
+    return run(go())
 
 
 def test_create_counts_and_stops(app):
@@ -39,11 +47,27 @@ def test_create_counts_and_stops(app):
         whole = await create(
             model=MODEL, max_tokens=12, messages=ASK, extra_body={"temperature": 0}
         )
-        counted = await client.messages.count_tokens(model=MODEL, messages=ASK)
-        system = await client.messages.count_tokens(
+        count = client.messages.count_tokens
+        counted = await count(model=MODEL, messages=ASK)
+        system_text = await count(model=MODEL, messages=ASK, system="Be brief.")
+        system_blocks = await count(
             model=MODEL, messages=ASK, system=[{"type": "text", "text": "Be brief."}]
         )
-        short = await create(model=MODEL, max_tokens=3, messages=ASK, extra_body={"temperature": 0})
+        # Fields that leave the prompt as it is (the SDK may send them here too).
+        hinted = await count(
+            model=MODEL,
+            messages=ASK,
+            cache_control={"type": "ephemeral"},
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        )
+        counts = [c.input_tokens for c in (counted, system_text, system_blocks, hinted)]
+        short = await create(
+            model=MODEL,
+            max_tokens=5,
+            messages=ASK,
+            extra_body={"temperature": 0},
+            diagnostics={"previous_message_id": whole.id},  # accepted, not reported on
+        )
         word = whole.content[0].text.split()[1]
         stopped = await create(
             model=MODEL,
@@ -52,16 +76,21 @@ def test_create_counts_and_stops(app):
             extra_body={"temperature": 0},
             stop_sequences=[word],
         )
-        return whole, counted, system, short, word, stopped
+        return whole, counts, short, word, stopped
 
-    whole, counted, system, short, word, stopped = run(_with_client_app(scenario))
+    whole, counts, short, word, stopped = _with_client(app, scenario)
     assert whole.content[0].type == "text" and whole.content[0].text
     assert whole.stop_reason in ("end_turn", "max_tokens") and whole.id.startswith("msg_")
     usage = whole.usage
-    assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens
-    assert system.input_tokens != counted.input_tokens
-    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    # Anthropic's input_tokens leaves out the prompt tokens read from the cache.
+    assert usage.input_tokens + usage.cache_read_input_tokens == counts[0]
+    assert usage.cache_creation_input_tokens == 0
+    plain, system_text, system_blocks, hinted = counts
+    # (SmolLM2's template has a default system prompt: a given one replaces it.)
+    assert system_text == system_blocks != plain == hinted
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 5
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    assert stopped.content[0].text == whole.content[0].text[: len(stopped.content[0].text)]
     assert word not in stopped.content[0].text
 
 
@@ -75,19 +104,38 @@ def test_stream_matches_whole_reply(app):
         ) as stream:
             pieces = [text async for text in stream.text_stream]
             final = await stream.get_final_message()
-        async with http_client(app_of[0]) as http:
+        async with http_client(app) as http:
             body = {"model": MODEL, "max_tokens": 4, "messages": ASK, "stream": True}
             async with http.stream("POST", "/v1/messages", json=body) as response:
-                lines = [line async for line in response.aiter_lines()]
-        return whole, "".join(pieces), final, lines
+                text = "".join([piece async for piece in response.aiter_text()])
+        return whole, "".join(pieces), final, text
 
-    whole, streamed, final, lines = run(_with_client_app(scenario))
+    whole, streamed, final, raw = _with_client(app, scenario)
     assert streamed == whole.content[0].text == final.content[0].text
-    assert final.stop_reason == whole.stop_reason
+    assert final.stop_reason == whole.stop_reason and final.id.startswith("msg_")
     assert final.usage.output_tokens == whole.usage.output_tokens
-    events = [line[7:] for line in lines if line.startswith("event: ")]
-    assert events[:4] == ["message_start", "ping", "content_block_start", "content_block_delta"]
-    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    events = []
+    for frame in raw.strip().split("\n\n"):
+        name, data = frame.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {events[-1]['type']}"
+    kinds = [e["type"] for e in events]
+    deltas = len(kinds) - 6
+    assert deltas >= 1
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * deltas,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[0]["message"]["content"] == [] and events[0]["message"]["usage"]["input_tokens"]
+    assert events[1]["content_block"] == {"type": "text", "text": ""}
+    assert events[3]["delta"]["type"] == "text_delta"
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+    assert events[-2]["usage"]["output_tokens"] == 4
 
 
 def test_prefill_is_continued(app):
@@ -96,14 +144,17 @@ def test_prefill_is_continued(app):
         reply = await client.messages.create(
             model=MODEL, max_tokens=4, messages=messages, extra_body={"temperature": 0}
         )
-        counted = await client.messages.count_tokens(model=MODEL, messages=messages)
-        plain = await client.messages.count_tokens(model=MODEL, messages=ASK)
-        return reply, counted, plain
+        count = client.messages.count_tokens
+        counted = await count(model=MODEL, messages=messages)
+        plain = await count(model=MODEL, messages=ASK)
+        empty = await count(model=MODEL, messages=[*ASK, {"role": "assistant", "content": ""}])
+        return reply, counted.input_tokens, plain.input_tokens, empty.input_tokens
 
-    reply, counted, plain = run(_with_client_app(scenario))
-    assert reply.content[0].text
-    # The prefill's tokens are in the prompt, with no end of turn after them.
-    assert counted.input_tokens > plain.input_tokens
+    reply, counted, plain, empty = _with_client(app, scenario)
+    assert reply.content[0].text and not reply.content[0].text.startswith("Red, green")
+    # The prefill's tokens are in the prompt, with no end of turn after them; an empty
+    # one leaves the prompt as the plain request's.
+    assert counted > plain == empty
 
 
 def test_forced_tool_use_and_a_result_round_trip(app):
@@ -144,7 +195,7 @@ def test_forced_tool_use_and_a_result_round_trip(app):
             streamed = await stream.get_final_message()
         return used, call, answer, streamed
 
-    used, call, answer, streamed = run(_with_client_app(scenario))
+    used, call, answer, streamed = _with_client(app, scenario)
     assert used.stop_reason == "tool_use" and call.name == "get_weather"
     assert call.id.startswith("toolu_")
     jsonschema.validate(call.input, WEATHER["input_schema"])
@@ -157,45 +208,21 @@ def test_errors_in_anthropics_shape(app):
     async def scenario(client):  # noqa: ANN001, ANN202
         errors = {}
         for name, kwargs in [
-            ("unknown model", {"model": "no-such", "max_tokens": 4, "messages": ASK}),
-            (
-                "image",
-                {
-                    "model": MODEL,
-                    "max_tokens": 4,
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": [
-                                {
-                                    "type": "image",
-                                    "source": {
-                                        "type": "base64",
-                                        "media_type": "image/png",
-                                        "data": "AA",
-                                    },
-                                }
-                            ],
-                        }
-                    ],
-                },
-            ),
-            (
-                "thinking",
-                {
-                    "model": MODEL,
-                    "max_tokens": 4,
-                    "messages": ASK,
-                    "thinking": {"type": "enabled", "budget_tokens": 1024},
-                },
-            ),
+            ("unknown model", {"model": "no-such", "messages": ASK}),
+            ("image", {"messages": [{"role": "user", "content": [IMAGE]}]}),
+            ("thinking", {"messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 9}}),
         ]:
             try:
-                await client.messages.create(**kwargs)
+                await client.messages.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
             except anthropic.APIStatusError as exc:
                 errors[name] = exc
-        async with http_client(app_of[0]) as http:
-            raw = await http.post("/v1/messages", json={"model": MODEL, "messages": ASK})
+        bodies = {
+            "max_tokens": {"model": MODEL, "messages": ASK},
+            "top_n": {"model": MODEL, "max_tokens": 4, "messages": ASK, "top_n": 2},
+            "messages": {"model": MODEL, "max_tokens": 4, "messages": []},
+        }
+        async with http_client(app) as http:
+            raw = {k: await http.post("/v1/messages", json=b) for k, b in bodies.items()}
         return errors, raw
 
     # A name that is no served model's is a 404 with strict_model_names (otherwise, with
@@ -205,16 +232,18 @@ def test_errors_in_anthropics_shape(app):
     ingress.config = config.model_copy(update={"strict_model_names": True})
 
     try:
-        errors, raw = run(_with_client_app(scenario))
+        errors, raw = _with_client(app, scenario)
     finally:
         ingress.config = config
     assert isinstance(errors["unknown model"], anthropic.NotFoundError)
     assert isinstance(errors["image"], anthropic.BadRequestError)
+    assert "not supported" in errors["image"].body["error"]["message"]
     assert isinstance(errors["thinking"], anthropic.BadRequestError)
-    assert raw.status_code == 400
-    body = raw.json()
-    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "max_tokens" in body["error"]["message"]
+    for field, response in raw.items():  # each 400 names the field at fault
+        body = response.json()
+        assert response.status_code == 400, body
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert field in body["error"]["message"]
 
 
 def test_x_api_key(smollm2_engine, tmp_path):
@@ -227,34 +256,16 @@ def test_x_api_key(smollm2_engine, tmp_path):
         }
     )
 
-    async def scenario(app):  # noqa: ANN001, ANN202
-        async def call(client):  # noqa: ANN001, ANN202
-            return await client.messages.count_tokens(model=MODEL, messages=ASK)
-
-        good = await _with_client(app, call, key="sk-ant-test")
-        with pytest.raises(anthropic.AuthenticationError) as refused:
-            await _with_client(app, call, key="sk-wrong")
-        return good, refused.value
+    async def call(client):  # noqa: ANN001, ANN202
+        return await client.messages.count_tokens(model=MODEL, messages=ASK)
 
     with local_app(config, smollm2_engine) as (app, _):
-        good, refused = run(scenario(app))
+        good = _with_client(app, call, key="sk-ant-test")
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            _with_client(app, call, key="sk-wrong")
     assert good.input_tokens > 0
-    assert refused.status_code == 401 and refused.body["error"]["type"] == "authentication_error"
-
-
-app_of: list = []
-
-
-@pytest.fixture(autouse=True)
-def _app(request):  # noqa: ANN001, ANN202
-    if "app" in request.fixturenames:
-        app_of[:] = [request.getfixturevalue("app")]
-    yield
-    app_of.clear()
-
-
-def _with_client_app(fn):  # noqa: ANN001, ANN202
-    return _with_client(app_of[0], fn)
+    error = refused.value
+    assert error.status_code == 401 and error.body["error"]["type"] == "authentication_error"
 
 
 def test_output_format_constrains_the_reply(app):
@@ -273,6 +284,6 @@ def test_output_format_constrains_the_reply(app):
             output_config={"format": {"type": "json_schema", "schema": schema}},
         )
 
-    reply = run(_with_client_app(scenario))
+    reply = _with_client(app, scenario)
     jsonschema.validate(json.loads(reply.content[0].text), schema)
     assert reply.stop_reason == "end_turn"
