@@ -165,6 +165,17 @@ class Generation:
             "predicted_per_second": 1000 * steps / predicted_ms if predicted_ms else 0.0,
         }
 
+    def prompt_progress(self, held: int = 0) -> dict[str, float]:
+        """llama.cpp's `prompt_progress`, once the prompt is in (the engine does not
+        report a prefill part way through); `held`: tokens a context held before it."""
+        total = held + len(self.prompt_ids)
+        return {
+            "total": total,
+            "cache": held + self.cached_tokens,
+            "processed": total,
+            "time_ms": self.timings()["prompt_ms"],
+        }
+
     @property
     def first_token_at(self) -> float | None:
         """perf_counter of the first token, once it came."""

@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer, tools_template
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.messages import ContextOp, EngineRequest
+from app.protocol.messages import ContextOp, EngineRequest, PromptEnding
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
 from app.text.tool_calls import ToolFormat, tool_format
@@ -200,15 +200,13 @@ class Ingress:
         model: str,
         messages: list[dict[str, Any]],
         tools: list[dict] | None = None,
-        continue_final: bool = False,
+        ending: PromptEnding = "reply",
     ) -> list[int]:
-        """The prompt's ids under the model's chat template; `continue_final`: the last
-        (assistant) message is the reply's start, which the model goes on with."""
+        """The prompt's ids under the model's chat template, ending as `ending` says
+        (app/models/tokenizer.py)."""
         source = self.model(model).engine.model
         try:
-            return await self.tokenizer.encode_chat.remote(
-                model, messages, source, tools, continue_final
-            )
+            return await self.tokenizer.encode_chat.remote(model, messages, source, tools, ending)
         except Exception as exc:
             raise unwrap(exc) from None
 
@@ -217,14 +215,12 @@ class Ingress:
         model: str,
         messages: list[dict[str, Any]],
         tools: list[dict] | None = None,
-        continue_final: bool = False,
+        ending: PromptEnding = "reply",
     ) -> str:
         """The text of the prompt `encode_chat` encodes."""
         source = self.model(model).engine.model
         try:
-            return await self.tokenizer.chat_prompt.remote(
-                model, messages, source, tools, continue_final
-            )
+            return await self.tokenizer.chat_prompt.remote(model, messages, source, tools, ending)
         except Exception as exc:
             raise unwrap(exc) from None
 

@@ -8,6 +8,7 @@ from ray import serve
 from app.models.source import resolve_model
 from app.models.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
 from app.protocol.errors import InvalidRequestError
+from app.protocol.messages import PromptEnding
 from deployments.config import ModelDeploymentConfig
 
 
@@ -41,9 +42,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
-        continue_final: bool = False,
+        ending: PromptEnding = "reply",
     ) -> list[int]:
-        return self._render(chat_token_ids, model, messages, source, tools, continue_final)
+        return self._render(chat_token_ids, model, messages, source, tools, ending)
 
     def chat_prompt(
         self,
@@ -51,10 +52,10 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
-        continue_final: bool = False,
+        ending: PromptEnding = "reply",
     ) -> str:
         """The text `encode_chat` encodes (llama.cpp's /apply-template)."""
-        return self._render(chat_prompt, model, messages, source, tools, continue_final)
+        return self._render(chat_prompt, model, messages, source, tools, ending)
 
     def _render(
         self,
@@ -63,17 +64,17 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         source: str | None,
         tools: list[dict[str, Any]] | None,
-        continue_final: bool,
+        ending: PromptEnding,
     ) -> Any:
         tokenizer = self._get(model, source)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
-        if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+        if ending == "continue" and (not messages or messages[-1].get("role") != "assistant"):
             raise InvalidRequestError(
                 "continuing the final message needs an assistant message last", "messages"
             )
         try:
-            return render(tokenizer, messages, tools, continue_final)
+            return render(tokenizer, messages, tools, ending)
         except InvalidRequestError:
             raise
         except Exception as exc:  # template errors (e.g. role order) are the client's

@@ -5,6 +5,7 @@ from typing import Any
 
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError, ModelLoadError
+from app.protocol.messages import PromptEnding
 
 # For ChatML models whose own template has no tools (SmolLM2): Hermes-style tool calls.
 CHATML_TOOLS_TEMPLATE = (files("app.models.templates") / "chatml_tools.jinja").read_text()
@@ -38,12 +39,11 @@ def chat_prompt(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
-    continue_final: bool = False,
+    ending: PromptEnding = "reply",
 ) -> str:
-    """The prompt's text under the model's chat template, ready for the reply; with
+    """The prompt's text under the model's chat template, ending as `ending` says; with
     `tools` (or earlier calls and tool results in `messages`), under the template that
-    renders them. `continue_final`: the last message is the start of the reply (a
-    prefill), left open for the model to go on with."""
+    renders them."""
     template = None
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         template = tools_template(tokenizer)
@@ -55,8 +55,8 @@ def chat_prompt(
         messages,
         tools=tools,
         chat_template=template,
-        add_generation_prompt=not continue_final,
-        continue_final_message=continue_final,
+        add_generation_prompt=ending == "reply",
+        continue_final_message=ending == "continue",
         tokenize=False,
     )
 
@@ -65,9 +65,9 @@ def chat_token_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
-    continue_final: bool = False,
+    ending: PromptEnding = "reply",
 ) -> list[int]:
     """The prompt's token ids: `chat_prompt`'s text, encoded as transformers does for a
     rendered template (its special tokens are in the text, so none are added)."""
-    text = chat_prompt(tokenizer, messages, tools, continue_final)
+    text = chat_prompt(tokenizer, messages, tools, ending)
     return list(tokenizer(text, add_special_tokens=False).input_ids)

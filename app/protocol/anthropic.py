@@ -2,8 +2,10 @@
 messages, tools and neutral SamplingParams.
 
 Strict like the OpenAI schemas: an unknown field is a 400 naming it, and a content block
-this server cannot honour (images, documents, thinking) is a 400 that says so. A last
-assistant message is a prefill: the reply continues it.
+this server cannot honour (images, documents) is a 400 that says so. A last
+assistant message is a prefill: the reply continues it. `thinking` is accepted: the
+models served here do not reason before answering, so a reply has no thinking blocks;
+thinking blocks of earlier turns reach the chat template as `reasoning_content`.
 """
 
 import json
@@ -12,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
+from app.protocol.messages import PromptEnding
 from app.protocol.openai_structured import (
     MAX_TOOLS,
     FunctionDef,
@@ -67,6 +70,13 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+    display: str | None = None
+
+
 class OutputFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["json_schema"]
@@ -89,7 +99,7 @@ class CountTokensRequest(BaseModel):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None  # constrains the reply, not the prompt
     # Accepted, and the prompt does not depend on them: cache hints (every prompt
     # prefix is cached anyway), how fast it runs, and who asks.
@@ -100,8 +110,6 @@ class CountTokensRequest(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self) -> "CountTokensRequest":
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise InvalidRequestError(f"thinking {NOT_SUPPORTED}", "thinking")
         choice = self.tool_choice
         if choice is not None and choice.type == "tool" and not choice.name:
             raise InvalidRequestError("tool_choice of type tool needs a name", "tool_choice")
@@ -109,12 +117,14 @@ class CountTokensRequest(BaseModel):
         return self
 
     @property
-    def continues_reply(self) -> bool:
+    def prompt_ending(self) -> PromptEnding:
         """A last assistant message of text is a prefill: the reply goes on from it (an
         empty one, which the API allows, from the start of the turn). One that ends in
         tool uses is a finished turn."""
         last = self.messages[-1]
-        return last.role == "assistant" and all(b.get("type") == "text" for b in last.blocks())
+        if last.role == "assistant" and all(b.get("type") == "text" for b in last.blocks()):
+            return "continue"
+        return "reply"
 
     def tool_fields(self) -> ToolFields:
         """The tools and choice as the OpenAI tool machinery takes them."""
@@ -202,12 +212,17 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
     become a `tool` message (before its text), an assistant's tool uses its
     `tool_calls`."""
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for block in message.blocks():
         kind = block.get("type")
         if kind == "text":
             texts.append(TextBlock.model_validate(block).text)
+        elif kind == "thinking" and message.role == "assistant":
+            thoughts.append(str(block.get("thinking", "")))
+        elif kind == "redacted_thinking" and message.role == "assistant":
+            continue  # encrypted by the service that made it: nothing to show a template
         elif kind == "tool_use" and message.role == "assistant":
             calls.append(_tool_use(block, where))
         elif kind == "tool_result" and message.role == "user":
@@ -222,6 +237,8 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
         if calls:
             entry["tool_calls"] = calls
+        if thoughts:
+            entry["reasoning_content"] = "".join(thoughts)
         out.append(entry)
     return out
 

@@ -46,11 +46,38 @@ PromptPiece = int | str
 MAX_PROMPTS = 64
 
 
+def prompt_object_text(item: dict[str, Any], param: str) -> str:
+    """The text of llama.cpp's JSON prompt objects: {"prompt_string": text} (media in
+    `multimodal_data` refused: no model here reads images) or {"content": [text parts]}."""
+    if item.get("multimodal_data"):
+        raise InvalidRequestError("multimodal_data is not supported: the model reads text", param)
+    if isinstance(item.get("prompt_string"), str):
+        return item["prompt_string"]
+    parts = item.get("content")
+    if not isinstance(parts, list) or not parts:
+        raise InvalidRequestError(
+            'a prompt object is {"prompt_string": text} or {"content": [text parts]}', param
+        )
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"content parts of type {kind!r} are not supported", param)
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _pieces(prompt: PromptPiece | list[PromptPiece] | dict[str, Any]) -> list[PromptPiece]:
+    if isinstance(prompt, dict):
+        return [prompt_object_text(prompt, "prompt")]
+    return [prompt] if isinstance(prompt, str | int) else list(prompt)
+
+
 class LlamaCompletionRequest(BaseModel):
     """/completion's fields (llama.cpp's names and defaults)."""
 
     model_config = ConfigDict(extra="ignore")
-    prompt: str | list[PromptPiece | list[PromptPiece]] = ""
+    prompt: str | dict[str, Any] | list[PromptPiece | list[PromptPiece] | dict[str, Any]] = ""
     n_predict: int = Field(-1, ge=-1)
     temperature: float = 0.8
     top_k: int = Field(40, ge=0)
@@ -81,17 +108,18 @@ class LlamaCompletionRequest(BaseModel):
     timings_per_token: bool = False  # timings in every streamed event
 
     def prompts(self) -> list[list[PromptPiece]]:
-        """The prompts, each as pieces, read as llama.cpp reads them: a string or a flat
-        list of ids and texts is one prompt; a list whose items are strings or lists is
-        several (each a string, ids, or ids mixed with texts)."""
+        """The prompts, each as pieces, read as llama.cpp reads them: a string, a JSON
+        prompt object or a flat list of ids and texts is one prompt; a list whose items
+        are strings, objects or lists is several (each a string, ids, or ids mixed with
+        texts)."""
         p = self.prompt
-        if isinstance(p, str):
-            return [[p]]
-        if all(not isinstance(x, list) for x in p) and not all(isinstance(x, str) for x in p):
+        if isinstance(p, str | dict):
+            p = [p]
+        elif all(isinstance(x, int | str) for x in p) and not all(isinstance(x, str) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         if not p or len(p) > MAX_PROMPTS:
             raise InvalidRequestError(f"give 1 to {MAX_PROMPTS} prompts", "prompt")
-        return [[x] if isinstance(x, str) else list(x) for x in p]
+        return [_pieces(x) for x in p]
 
     def bias_entries(self) -> list[tuple[PromptPiece, float]]:
         """(token id or text, bias) pairs; false is the strongest ban there is (-100)."""

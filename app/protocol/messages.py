@@ -4,11 +4,24 @@ which is all a request router needs to read."""
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 from app.protocol.outputs import EngineErrorMessage
 from app.protocol.sampling import SamplingParams
 
-__all__ = ["ContextAction", "ContextOp", "EngineErrorMessage", "EngineRequest", "context_op"]
+__all__ = [
+    "ContextAction",
+    "ContextOp",
+    "EngineErrorMessage",
+    "EngineRequest",
+    "PromptEnding",
+    "context_op",
+]
+
+# How a rendered conversation ends: ready for the reply (the template's generation
+# prompt), with the last (assistant) message left open for the model to go on with (a
+# prefill), or as it is (no generation prompt: vLLM's add_generation_prompt=false).
+PromptEnding = Literal["reply", "continue", "none"]
 
 
 class ContextAction(StrEnum):

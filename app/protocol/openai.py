@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
+from app.protocol.llamacpp import prompt_object_text
+from app.protocol.messages import PromptEnding
 from app.protocol.openai_structured import StructuredFields, ToolFields
 from app.protocol.sampling import (
     MAX_LOGIT_BIAS,
@@ -147,6 +149,9 @@ class ChatMessage(BaseModel):
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # A reasoning model's thinking in an earlier assistant turn (llama.cpp's and vLLM's
+    # field): given to the chat template, which decides whether to show it.
+    reasoning_content: str | None = None
     function_call: dict[str, Any] | None = None  # the deprecated form: refused
 
     @model_validator(mode="after")
@@ -169,6 +174,8 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [c.template_call() for c in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content and self.role == "assistant":
+            message["reasoning_content"] = self.reasoning_content
         return message
 
     def text(self) -> str:
@@ -194,20 +201,30 @@ class ChatCompletionRequest(ToolFields, _Common):
     continue_final_message: bool = False
     add_generation_prompt: bool = True
     timings_per_token: bool = False  # llama.cpp's: timings in every streamed chunk
+    return_progress: bool = False  # llama.cpp's: the prompt's progress in a stream
+    # llama.cpp's slot to run in, for its cache: accepted (in range); any of Shoal's
+    # sequences reuses any cached prefix, so the slot changes nothing.
+    id_slot: int = -1
 
     @model_validator(mode="after")
     def _prefill(self) -> "ChatCompletionRequest":
         if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise InvalidRequestError(  # vLLM's and llama.cpp's rule
+                    "add_generation_prompt and continue_final_message cannot both be true",
+                    "add_generation_prompt",
+                )
             if self.messages[-1].role != "assistant":
                 raise InvalidRequestError(
                     "continue_final_message needs an assistant message last", "messages"
                 )
-        elif not self.add_generation_prompt:
-            raise InvalidRequestError(
-                "add_generation_prompt: false is only served with continue_final_message",
-                "add_generation_prompt",
-            )
         return self
+
+    @property
+    def prompt_ending(self) -> PromptEnding:
+        if self.continue_final_message:
+            return "continue"
+        return "reply" if self.add_generation_prompt else "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
@@ -245,7 +262,7 @@ class EmbeddingRequest(BaseModel):
 
 def _embedding_input(item: Any) -> str | list[EmbeddingPiece]:
     if isinstance(item, dict):
-        item = _embedding_object(item)
+        item = prompt_object_text(item, "input")
     if isinstance(item, int):
         item = [item]
     if not item:  # OpenAI refuses an empty string, llama.cpp embeds it: OpenAI's way here
@@ -253,24 +270,6 @@ def _embedding_input(item: Any) -> str | list[EmbeddingPiece]:
     if isinstance(item, list) and any(isinstance(p, list | dict) for p in item):
         raise InvalidRequestError("an input is text, token ids, or both in one list", "input")
     return item
-
-
-def _embedding_object(item: dict[str, Any]) -> str:
-    """llama.cpp's object inputs: {"prompt_string": text} or {"content": [text parts]}."""
-    if isinstance(item.get("prompt_string"), str):
-        return item["prompt_string"]
-    parts = item.get("content")
-    if not isinstance(parts, list) or not parts:
-        raise InvalidRequestError(
-            'an input object is {"prompt_string": text} or {"content": [text parts]}', "input"
-        )
-    texts = []
-    for part in parts:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(f"content parts of type {kind!r} are not supported", "input")
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
 
 
 def sampling_params(

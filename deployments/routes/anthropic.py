@@ -88,7 +88,7 @@ async def _prompt(ingress: Ingress, req: CountTokensRequest) -> tuple[str, list[
     name = ingress.served_name(req.model)
     tools = req.tool_fields()
     messages = req.template_messages()
-    ids = await ingress.encode_chat(name, messages, tools.template_tools(), req.continues_reply)
+    ids = await ingress.encode_chat(name, messages, tools.template_tools(), req.prompt_ending)
     return name, ids, tools
 
 

@@ -37,7 +37,7 @@ async def apply_template(req: ChatCompletionRequest, ingress: IngressDep) -> dic
     """The prompt /v1/chat/completions would feed the model, as text."""
     name = ingress.served_name(req.model)
     messages, tools = req.template_messages(), req.template_tools()
-    prompt = await ingress.chat_prompt(name, messages, tools, req.continue_final_message)
+    prompt = await ingress.chat_prompt(name, messages, tools, req.prompt_ending)
     return {"prompt": prompt}
 
 
@@ -126,7 +126,7 @@ async def _complete(
 
     async def chunks() -> AsyncIterator[dict]:
         if req.return_progress:
-            yield {"content": "", "stop": False, "prompt_progress": _progress(gen, ids, held)}
+            yield {"content": "", "stop": False, "prompt_progress": gen.prompt_progress(held)}
         async for d in gen.deltas():
             if not (d.text or d.token_ids):
                 continue
@@ -172,7 +172,7 @@ def _result(
         "tokens_predicted": out.num_tokens,
         "tokens_evaluated": len(ids),
         "tokens_cached": held + gen.cached_tokens,
-        "generation_settings": _settings(req, gen.params),
+        "generation_settings": _settings(req, gen.params, ingress.tokenizers[name]),
         "prompt": ingress.tokenizers[name].decode(ids, skip_special_tokens=False),
         "has_new_line": "\n" in out.text,
         "truncated": False,
@@ -200,8 +200,15 @@ def _field(result: dict[str, Any], path: str) -> Any:
     return value
 
 
-def _settings(req: LlamaCompletionRequest, params: SamplingParams) -> dict[str, Any]:
-    """generation_settings under llama.cpp's names: what this request runs with."""
+def _settings(
+    req: LlamaCompletionRequest, params: SamplingParams, tokenizer: Any
+) -> dict[str, Any]:
+    """generation_settings under llama.cpp's names: what this request runs with. Its
+    logit_bias lists {bias, token}, a ban (-inf, and an end-of-generation token under
+    ignore_eos) as a null bias, as llama.cpp writes it."""
+    bias = [{"bias": b, "token": t} for t, b in params.logit_bias.items()]
+    if params.ignore_eos and tokenizer.eos_token_id is not None:
+        bias.append({"bias": None, "token": tokenizer.eos_token_id})
     return {
         "n_predict": req.n_predict,
         "max_tokens": params.max_tokens,
@@ -218,7 +225,7 @@ def _settings(req: LlamaCompletionRequest, params: SamplingParams) -> dict[str, 
         "stop": req.stop,
         "ignore_eos": params.ignore_eos,
         "stream": req.stream,
-        "logit_bias": [[t, b] for t, b in params.logit_bias.items()],
+        "logit_bias": bias,
         "grammar": req.grammar or "",
         "id_slot": req.id_slot,
         "cache_prompt": req.cache_prompt,
@@ -240,13 +247,3 @@ def _probabilities(
 
     top = "top_probs" if req.post_sampling_probs else "top_logprobs"
     return [{**entry(lp.token_id, lp.logprob), top: [entry(i, v) for i, v in lp.top]} for lp in lps]
-
-
-def _progress(gen: Generation, ids: list[int], held: int) -> dict[str, Any]:
-    """The prompt's progress once it is in (the engine reports no partial prefill)."""
-    return {
-        "total": len(ids),
-        "cache": held + gen.cached_tokens,
-        "processed": len(ids),
-        "time_ms": gen.timings()["prompt_ms"],
-    }

@@ -32,9 +32,15 @@ router = APIRouter()
 
 
 async def list_models(ingress: IngressDep) -> dict:
-    """Every model this server answers for: the generative ones, then the embedding one."""
-    names = [m.name for m in ingress.served_models()] + ingress.embedding_models()
-    return {"object": "list", "data": [_card(ingress, name) for name in names]}
+    """Every model this server answers for: the generative ones, then the embedding one.
+    `models` lists them again as llama.cpp's server does (its web UI and clients read
+    what each can do from `capabilities`)."""
+    generative = [m.name for m in ingress.served_models()]
+    embedding = ingress.embedding_models()
+    cards = [_card(ingress, name) for name in generative + embedding]
+    models = [_entry(name, ["completion"]) for name in generative]
+    models += [_entry(name, ["embedding"]) for name in embedding]
+    return {"object": "list", "data": cards, "models": models}
 
 
 async def get_model(model_id: str, ingress: IngressDep) -> dict:
@@ -44,7 +50,14 @@ async def get_model(model_id: str, ingress: IngressDep) -> dict:
 
 
 def _card(ingress: Ingress, name: str) -> dict:
-    return {"id": name, "object": "model", "created": ingress.created, "owned_by": "shoal"}
+    card = {"id": name, "object": "model", "created": ingress.created, "owned_by": "shoal"}
+    if name not in ingress.embedding_models() and (aliases := ingress.model(name).aliases):
+        card["aliases"] = list(aliases)  # llama.cpp's: other names it answers to
+    return card
+
+
+def _entry(name: str, capabilities: list[str]) -> dict:
+    return {"name": name, "model": name, "capabilities": capabilities}
 
 
 async def completions(req: CompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201

@@ -11,6 +11,7 @@ from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
 from deployments.generation import Generation, TextDelta
 from deployments.ingress import Ingress, IngressDep, RequestTag
+from deployments.routes.llamacpp import check_slot
 from deployments.routes.openai import WIRE, response_head, token_text, usage_of
 from deployments.streaming import stream
 
@@ -19,8 +20,9 @@ router = APIRouter()
 
 async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     req.model = ingress.served_name(req.model)
+    check_slot(ingress, req.model, req.id_slot, allow_any=True)
     ids = await ingress.encode_chat(
-        req.model, req.template_messages(), req.template_tools(), req.continue_final_message
+        req.model, req.template_messages(), req.template_tools(), req.prompt_ending
     )
     # With tools, the output is read for calls in the syntax the model was shown, under
     # their grammar; response_format wins over it, except where a call is forced.
@@ -95,7 +97,10 @@ async def _chat_chunks(
     for i in range(req.n):
         delta = {"role": "assistant", "content": ""}
         choice = {"index": i, "delta": delta, "finish_reason": None, "logprobs": None}
-        yield {**head, "choices": [choice]}
+        if req.return_progress:  # llama.cpp's: how much of the prompt was cached
+            yield {**head, "choices": [choice], "prompt_progress": gen.prompt_progress()}
+        else:
+            yield {**head, "choices": [choice]}
     async for d in gen.deltas():
         choice = _chat_delta(ingress, req, d, None if calls is None else calls[d.index])
         if choice is None:

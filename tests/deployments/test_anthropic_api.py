@@ -9,6 +9,7 @@ import httpx2
 import jsonschema
 import pytest
 
+from app.protocol.anthropic import MessagesRequest
 from deployments.config import AppConfig
 from tests.local_app import MODEL, http_client, local_app, run
 
@@ -210,7 +211,7 @@ def test_errors_in_anthropics_shape(app):
         for name, kwargs in [
             ("unknown model", {"model": "no-such", "messages": ASK}),
             ("image", {"messages": [{"role": "user", "content": [IMAGE]}]}),
-            ("thinking", {"messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 9}}),
+            ("thinking", {"messages": ASK, "thinking": {"type": "sometimes"}}),
         ]:
             try:
                 await client.messages.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
@@ -244,6 +245,36 @@ def test_errors_in_anthropics_shape(app):
         assert response.status_code == 400, body
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
         assert field in body["error"]["message"]
+
+
+def test_thinking_accepted(app):
+    """`thinking` is accepted (the model does not reason first: the reply is text), and
+    an earlier turn's thinking blocks reach the template as reasoning_content."""
+    history = [
+        {"role": "user", "content": "What is 2+2?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Two and two.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "4"},
+            ],
+        },
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+
+    async def scenario(client):  # noqa: ANN001, ANN202
+        return await client.messages.create(
+            model=MODEL, max_tokens=4, messages=history, thinking=thinking
+        )
+
+    reply = _with_client(app, scenario)
+    assert reply.content and all(b.type == "text" for b in reply.content)
+    messages = MessagesRequest.model_validate(
+        {"max_tokens": 4, "messages": history, "thinking": thinking}
+    ).template_messages()
+    assert messages[1] == {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}
 
 
 def test_x_api_key(smollm2_engine, tmp_path):

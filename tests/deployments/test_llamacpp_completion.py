@@ -69,9 +69,18 @@ def test_completion_prompt_forms(app):
             streamed_many = await http.post(
                 "/completion", json={**base, "prompt": [PROMPT, PROMPT], "stream": True}
             )
-            return text, by_ids, many, mixed, streamed_many
+            as_object = await http.post(
+                "/completion", json={**base, "prompt": {"prompt_string": PROMPT}}
+            )
+            with_media = await http.post(
+                "/completion",
+                json={**base, "prompt": {"prompt_string": PROMPT, "multimodal_data": ["iVBO"]}},
+            )
+            return text, by_ids, many, mixed, streamed_many, as_object, with_media
 
-    text, by_ids, many, mixed, streamed_many = run(scenario())
+    text, by_ids, many, mixed, streamed_many, as_object, with_media = run(scenario())
+    assert as_object.json()["content"] == text["content"]  # llama.cpp's JSON prompt object
+    assert with_media.status_code == 400 and "multimodal" in with_media.json()["error"]["message"]
     assert by_ids["content"] == text["content"]
     assert many.status_code == 200 and [r["content"] for r in many.json()] == [text["content"]] * 2
     assert mixed["tokens_evaluated"] == text["tokens_evaluated"]
@@ -101,9 +110,17 @@ def test_logit_bias_bans_words_in_both_forms(app):
             ):
                 reply = await http.post("/completion", json={**base, "logit_bias": bias})
                 answers.append(reply.json()["content"])
-            return free, word, answers
 
-    free, word, answers = run(scenario())
+            settings = await http.post(
+                "/completion", json={**base, "ignore_eos": True, "logit_bias": [[ids[0], -2]]}
+            )
+            return free, word, answers, ids, settings.json()["generation_settings"]
+
+    free, word, answers, ids, settings = run(scenario())
+    # llama.cpp's shape: {bias, token}; the end-of-generation token banned by ignore_eos
+    # shows as a null (-inf) bias
+    assert {"bias": -2.0, "token": ids[0]} in settings["logit_bias"]
+    assert any(e["bias"] is None for e in settings["logit_bias"])
     assert free.split()[0] == word
     for answer in answers:
         assert not answer.split() or answer.split()[0] != word

@@ -102,6 +102,11 @@ def test_models_list_names_the_embedding_model(wide_app):
     assert listed == [MODEL, EMBEDDER]
     assert [m["id"] for m in bare["data"]] == listed
     assert one.id == EMBEDDER
+    # llama.cpp's list beside OpenAI's, with what each model does
+    assert [(m["name"], m["capabilities"]) for m in bare["models"]] == [
+        (MODEL, ["completion"]),
+        (EMBEDDER, ["embedding"]),
+    ]
 
 
 def test_embedding_inputs_in_every_form(wide_app):
@@ -250,3 +255,52 @@ def test_llamacpp_extensions_on_chat(wide_app):
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert "timings" not in chunks[0]  # the role's chunk comes before any token
     assert all("timings" in c for c in chunks[1:] if c["choices"])
+
+
+def test_llamacpp_chat_fields_progress_slot_and_reasoning(wide_app):
+    """llama.cpp's chat fields: return_progress reports the prompt in the role's chunk,
+    id_slot is taken in range, an earlier turn's reasoning_content reaches the template,
+    add_generation_prompt: false renders no generation prompt, and with
+    continue_final_message it is refused (vLLM's rule)."""
+    app, _ = wide_app
+    answered = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "Greet back."},
+        {"role": "user", "content": "Bye"},
+    ]
+
+    async def scenario():
+        async with http_client(app) as http:
+            post = http.post
+            async with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={**CHAT, "max_tokens": 2, "stream": True, "return_progress": True},
+            ) as response:
+                lines = [line async for line in response.aiter_lines()]
+            slotted = await post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 2, "id_slot": 0}
+            )
+            no_slot = await post("/v1/chat/completions", json={**CHAT, "id_slot": 100_000})
+            reasoned = await post(
+                "/v1/chat/completions", json={"messages": answered, "max_tokens": 2}
+            )
+            both = await post(
+                "/v1/chat/completions",
+                json={
+                    "messages": answered[:2],
+                    "continue_final_message": True,
+                    "add_generation_prompt": True,
+                },
+            )
+            closed = await post("/apply-template", json={**CHAT, "add_generation_prompt": False})
+            return lines, slotted, no_slot, reasoned, both, closed.json()["prompt"]
+
+    lines, slotted, no_slot, reasoned, both, closed = run(scenario())
+    assert closed.endswith("<|im_end|>\n")  # no generation prompt: the turn as it is
+    first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+    progress = first["prompt_progress"]
+    assert progress["total"] == progress["processed"] > 0 and progress["time_ms"] > 0
+    assert slotted.status_code == 200 and reasoned.status_code == 200
+    assert no_slot.status_code == 400 and no_slot.json()["error"]["param"] == "id_slot"
+    assert both.status_code == 400 and both.json()["error"]["param"] == "add_generation_prompt"
