@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.protocol.errors import InvalidRequestError
 from app.protocol.llamacpp import prompt_object_text
 from app.protocol.messages import PromptEnding
-from app.protocol.openai_structured import StructuredFields, ToolFields
+from app.protocol.openai_structured import StructuredFields, ToolFields, drop_inert
 from app.protocol.sampling import (
     MAX_LOGIT_BIAS,
     MAX_SEED,
@@ -54,17 +54,7 @@ StopList = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
 
 
 def drop_inert_fields(data: Any) -> Any:
-    """Remove unsupported fields whose value asks for nothing; refuse the others."""
-    if not isinstance(data, dict):
-        return data
-    kept = {}
-    for key, value in data.items():
-        inert = UNSUPPORTED_FIELDS.get(key)
-        if inert is None:
-            kept[key] = value
-        elif not any(value == v and type(value) is type(v) for v in inert):
-            raise InvalidRequestError(f"{key} {NOT_SUPPORTED}", param=key)
-    return kept
+    return drop_inert(data, UNSUPPORTED_FIELDS)
 
 
 class StreamOptions(BaseModel):

@@ -25,6 +25,21 @@ FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for name
 ANY_OBJECT = '{"type": "object"}'
 
 
+def drop_inert(data: Any, inert: dict[str, tuple[Any, ...]]) -> Any:
+    """Remove the fields of `inert` (not served here) whose value is one that asks for
+    nothing (the API's default: no tools, false...); any other value of them is a 400."""
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        values = inert.get(key)
+        if values is None:
+            kept[key] = value
+        elif not any(value == v and type(value) is type(v) for v in values):
+            raise InvalidRequestError(f"{key} is not supported by this server", param=key)
+    return kept
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field("response", max_length=64)

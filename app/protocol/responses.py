@@ -22,6 +22,7 @@ from app.protocol.openai_structured import (
     StructuredFields,
     ToolDef,
     ToolFields,
+    drop_inert,
 )
 from app.protocol.sampling import Constraint, SamplingParams, sampling_params
 
@@ -100,16 +101,7 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _inert(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        kept = {}
-        for key, value in data.items():
-            inert = INERT_FIELDS.get(key)
-            if inert is None:
-                kept[key] = value
-            elif not any(value == v and type(value) is type(v) for v in inert):
-                raise InvalidRequestError(f"{key} {NOT_SUPPORTED}", param=key)
-        return kept
+        return drop_inert(data, INERT_FIELDS)
 
     @model_validator(mode="after")
     def _checks(self) -> "ResponsesRequest":
