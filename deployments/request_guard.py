@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from app.protocol.errors import RemoteError
 from deployments.config import AppConfig
@@ -217,14 +217,32 @@ class RequestGuard:
 def _as_json(scope: Scope, body: bytes) -> Scope:
     """The scope, with a JSON content type when the body is JSON but was sent as something
     else: `curl -d` says form-urlencoded, and Ollama's and llama.cpp's servers read a
-    JSON body whatever the header says. Multipart (file uploads) is left as it is. (In
-    place: the access log reads the matched route from this same scope.)"""
+    JSON body whatever the header says. Multipart (file uploads) is left as it is, and so
+    is a body a browser sent from another site's page: text/plain and form posts cross
+    sites without a CORS preflight, and read as JSON they would let any page a user
+    visits drive this server. (In place: the access log reads the matched route from
+    this same scope.)"""
     declared = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
     json_like = body.lstrip()[:1] in (b"{", b"[")
-    if json_like and declared != "application/json" and not declared.startswith("multipart/"):
+    if (
+        json_like
+        and declared != "application/json"
+        and not declared.startswith("multipart/")
+        and not _from_another_site(scope)
+    ):
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-type"]
         scope["headers"] = [*headers, (b"content-type", b"application/json")]
     return scope
+
+
+def _from_another_site(scope: Scope) -> bool:
+    """Whether a browser sent this from another site's page (`Sec-Fetch-Site`, which
+    current browsers send, or an `Origin` that is not this host). curl and SDKs send
+    neither."""
+    if _header(scope, b"sec-fetch-site") in ("cross-site", "same-site"):
+        return True
+    origin = _header(scope, b"origin")
+    return bool(origin) and urlsplit(origin).netloc != _header(scope, b"host")
 
 
 class _ClientGone(Exception):

@@ -11,7 +11,7 @@ thinking blocks of earlier turns reach the chat template as `reasoning_content`.
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import PromptEnding
@@ -218,7 +218,7 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
     for block in message.blocks():
         kind = block.get("type")
         if kind == "text":
-            texts.append(TextBlock.model_validate(block).text)
+            texts.append(_text_block(block, where).text)
         elif kind == "thinking" and message.role == "assistant":
             thoughts.append(str(block.get("thinking", "")))
         elif kind == "redacted_thinking" and message.role == "assistant":
@@ -251,6 +251,17 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
         raise InvalidRequestError(f"{where}: a tool_use block's input is an object", "messages")
     function = {"name": block["name"], "arguments": arguments}
     return {"id": block["id"], "type": "function", "function": function}
+
+
+def _text_block(block: dict[str, Any], where: str) -> TextBlock:
+    try:
+        return TextBlock.model_validate(block)
+    except ValidationError as exc:  # a block inside free-form content: a 400 naming it
+        problem = exc.errors()[0]
+        at = ".".join(str(p) for p in problem["loc"])
+        raise InvalidRequestError(
+            f"{where}: text block: {at}: {problem['msg']}", "messages"
+        ) from None
 
 
 def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:

@@ -175,5 +175,6 @@ class LlamaCompletionRequest(BaseModel):
 
 
 class LlamaInfillRequest(LlamaCompletionRequest):
+    prompt: str | list[int] = ""  # what follows the middle's start: text or token ids
     input_prefix: str = ""
     input_suffix: str = ""

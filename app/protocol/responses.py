@@ -228,6 +228,11 @@ def _function_output(item: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(item.get("call_id"), str):
         raise InvalidRequestError(f"{where}: a function_call_output needs call_id", "input")
     output = item.get("output", "")
-    if not isinstance(output, str):
+    if isinstance(output, list):  # input_text parts: their text (other parts as JSON)
+        output = "".join(
+            p["text"] if isinstance(p, dict) and p.get("type") == "input_text" else json.dumps(p)
+            for p in output
+        )
+    elif not isinstance(output, str):
         output = json.dumps(output)
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}

@@ -160,7 +160,10 @@ def response_head(gen: Generation, model: str, prefix: str, kind: str) -> dict:
 def fingerprint(model: str) -> str:
     """OpenAI's system_fingerprint: names the serving build and the model; it changes
     when either does (so a client can tell why seeded outputs differ)."""
-    build = importlib.metadata.version("shoal")
+    try:
+        build = importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        build = "source"
     return "fp_" + hashlib.sha256(f"{build}/{model}".encode()).hexdigest()[:10]
 
 

@@ -221,6 +221,11 @@ def test_errors_in_anthropics_shape(app):
             "max_tokens": {"model": MODEL, "messages": ASK},
             "top_n": {"model": MODEL, "max_tokens": 4, "messages": ASK, "top_n": 2},
             "messages": {"model": MODEL, "max_tokens": 4, "messages": []},
+            "text block": {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}],
+            },
         }
         async with http_client(app) as http:
             raw = {k: await http.post("/v1/messages", json=b) for k, b in bodies.items()}

@@ -166,7 +166,8 @@ def test_embedding_inputs_in_every_form(wide_app):
 
 
 def test_a_json_body_is_read_whatever_its_content_type(wide_app):
-    """As `curl -d` sends it (form-urlencoded), and with no type at all."""
+    """As `curl -d` sends it (form-urlencoded), and with no type at all; but not when a
+    browser sent it from another site's page (such posts need no CORS preflight)."""
     app, _ = wide_app
 
     async def scenario():
@@ -181,10 +182,24 @@ def test_a_json_body_is_read_whatever_its_content_type(wide_app):
                 for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
                     headers = {} if content_type is None else {"content-type": content_type}
                     replies.append(await http.post(path, content=json.dumps(body), headers=headers))
-            return replies
+            forged = []
+            for headers in (
+                {"origin": "http://elsewhere.example"},
+                {"sec-fetch-site": "cross-site"},
+            ):
+                headers["content-type"] = "text/plain"
+                forged.append(
+                    await http.post("/completion", content=json.dumps({}), headers=headers)
+                )
+            infill = await http.post("/infill", json={"prompt": {"prompt_string": "x"}})
+            return replies, forged, infill
 
-    for reply in run(scenario()):
+    replies, forged, infill = run(scenario())
+    for reply in replies:
         assert reply.status_code == 200, (reply.request.url, reply.request.headers, reply.text)
+    for reply in forged:
+        assert reply.status_code == 400 and "error" in reply.json()
+    assert infill.status_code == 400  # /infill's prompt is text or ids, never an object
 
 
 def test_chat_reports_timings_and_cors_preflights_answer(wide_app):
