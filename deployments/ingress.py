@@ -62,6 +62,9 @@ class Ingress:
         self.operator = operator
         # Models the operator started at run time (deployments/operator), by alias.
         self.runtime_models: dict[str, ModelDeploymentConfig] = {}
+        # Run-time models stopped since: a request naming one is told so (404), never
+        # answered by the one model left.
+        self.stopped_models: set[str] = set()
         # Closed once the operator drains the app: every new request is refused (503).
         self.admission = Admission()
         # Configured once and cached: per-request .options() is slow.
@@ -97,12 +100,15 @@ class Ingress:
     def served_name(self, name: str | None) -> str:
         """The model an OpenAI-style request names: its served name for a name or alias.
         With one model served, a missing or null `model` means that one (as llama.cpp
-        and vLLM take it), and so does any other name unless `strict_model_names`; with
-        several, a missing one is a 400 and an unknown one a 404."""
+        and vLLM take it), and so does any other name unless `strict_model_names` (but
+        not a run-time model's since stopped); with several, a missing one is a 400 and
+        an unknown one a 404."""
         served = self.served_models()
         found = self.find_model(name) if name else None
         if found is not None:
             return found.name
+        if name in self.stopped_models:
+            raise UnknownModelError(f"The model '{name}' was stopped", param="model")
         if len(served) == 1 and (not name or not self.config.strict_model_names):
             return served[0].name
         if name:
@@ -130,10 +136,12 @@ class Ingress:
         self._streams[config.name] = handle.options(stream=True)
         self._info.pop(config.name, None)
         self.runtime_models[config.name] = config
+        self.stopped_models.discard(config.name)
 
     def remove_model(self, name: str) -> None:
         """Stop routing to a run-time model; streams already open keep their handle."""
-        self.runtime_models.pop(name, None)
+        if self.runtime_models.pop(name, None) is not None:
+            self.stopped_models.add(name)
         self._calls.pop(name, None)
         self._streams.pop(name, None)
         self._info.pop(name, None)

@@ -36,7 +36,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 def test_model_may_be_left_out_null_an_alias_or_any_name(wide_app):
     """With one model served, any `model` means it (as llama.cpp's server takes it),
-    unless strict_model_names; with two, a missing one is a 400, an unknown one a 404."""
+    unless strict_model_names or it names a run-time model since stopped; with two, a
+    missing one is a 400, an unknown one a 404."""
     app, _ = wide_app
     ingress = app.state.ingress
 
@@ -70,7 +71,11 @@ def test_model_may_be_left_out_null_an_alias_or_any_name(wide_app):
                 answers["two, missing"] = await both({})
                 answers["two, unknown"] = await both({"model": "gpt-3.5-turbo"})
             finally:
-                ingress.runtime_models.pop("other")
+                ingress.remove_model("other")  # stopped: its name is not the one model's now
+            try:
+                answers["stopped"] = await both({"model": "other"})
+            finally:
+                ingress.stopped_models.clear()
             return answers
 
     answers = run(scenario())
@@ -79,7 +84,8 @@ def test_model_may_be_left_out_null_an_alias_or_any_name(wide_app):
             assert reply.status_code == 200, (name, reply.text)
             assert reply.json()["model"] == MODEL
             assert reply.json()["system_fingerprint"].startswith("fp_")
-    for name, status in (("strict", 404), ("two, missing", 400), ("two, unknown", 404)):
+    statuses = (("strict", 404), ("two, missing", 400), ("two, unknown", 404), ("stopped", 404))
+    for name, status in statuses:
         for reply in answers[name]:
             assert reply.status_code == status, (name, reply.text)
             assert reply.json()["error"]["param"] == "model"
