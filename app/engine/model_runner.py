@@ -9,7 +9,7 @@ from app.engine.config import EngineConfig
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import AttentionBackend, BatchLayout, select_backend
-from app.models.llama import LlamaForCausalLM
+from app.models.decoder import DecoderForCausalLM
 from app.models.loader import LoadedModel, load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
@@ -17,13 +17,13 @@ from app.models.source import resolve_model
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     arch = model.local  # this shard's KV heads
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
     return per_token * block_size
 
 
-def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM) -> int:
+def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM) -> int:
     """Blocks in the cache; every shard computes the same number from the same config."""
     return config.num_kv_blocks or max(
         2,
@@ -72,7 +72,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         backend: AttentionBackend,
         num_blocks: int,
     ) -> None:

@@ -1,17 +1,26 @@
-"""ArchConfig: the few numbers our Llama-family model needs, read once from an HF config."""
+"""ArchConfig: the numbers and switches our decoder needs, read once from an HF config.
+
+Every supported family is the same pre-norm decoder with a few switches (q/k norms,
+Gemma's sandwich norms and soft-capping, sliding windows, routed experts); each
+family's module in app/models/families reads its config into these fields.
+"""
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.protocol.errors import ModelLoadError
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
-# HF architecture name -> whether q/k/v projections carry a bias.
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,  # Llama 2/3, SmolLM2, TinyLlama, ...
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Top-k routed experts (Mixtral, Qwen2/3-MoE), optionally with a gated shared expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    normalize_top_k: bool  # renormalise the k chosen probabilities to sum to 1
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,19 @@ class ArchConfig:
     qkv_bias: bool
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    # ---- family switches (defaults: Llama) -------------------------------------------
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too (Gemma 2/3)
+    norm_weight_offset: float = 0.0  # Gemma scales by (1 + w): the offset is folded in at load
+    embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(hidden_size)
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float = 0.0  # Gemma 2: the same on the logits
+    layer_windows: tuple[int, ...] = ()  # per layer sliding window (0: global); () all global
+    local_rope_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini); None: the whole head
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -40,59 +62,20 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and (
+            not self.moe.sparse_layers or self.moe.sparse_layers[layer]
+        )
+
     @classmethod
     def from_hf(cls, hf_config: Any, model_name: str) -> "ArchConfig":
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        if not archs and getattr(hf_config, "model_type", None) == "llama":
-            archs = ["LlamaForCausalLM"]  # GGUF configs may omit `architectures`
-        supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-        if not supported:
-            raise ModelLoadError(
-                model_name,
-                f"unsupported architecture {archs or getattr(hf_config, 'model_type', '?')}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-            )
-        arch = supported[0]
-        rope = _rope_parameters(hf_config)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(model_name, f"unsupported RoPE scaling type {rope_type!r}")
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        qkv_bias = SUPPORTED_ARCHITECTURES[arch] or bool(
-            getattr(hf_config, "attention_bias", False)
-        )
-        max_pos = hf_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if arch == "MistralForCausalLM" and window:
-            # Without sliding-window attention we stay exact by never exceeding the window.
-            max_pos = min(max_pos, window)
-        eos = hf_config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        return cls(
-            architecture=arch,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
-            eos_token_ids=eos_ids,
-        )
+        from app.models.families import read_arch_config
 
-
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """transformers >= 5 keeps RoPE settings in `rope_parameters`; older ones split them."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    params = dict(getattr(hf_config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    return params
+        return read_arch_config(hf_config, model_name)

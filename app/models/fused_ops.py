@@ -28,15 +28,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rotate_heads_(x: torch.Tensor, rope: RopeTables, heads: int, head_dim: int) -> None:
-    """Apply RoPE in place to the first `heads` heads of each row of x: (T, width)."""
+def rotate_heads_(
+    x: torch.Tensor, rope: RopeTables, heads: int, head_dim: int, rotary_dim: int | None = None
+) -> None:
+    """Apply RoPE in place to the first `heads` heads of each row of x: (T, width); with
+    `rotary_dim`, to the first rotary_dim channels of each head only (partial RoPE)."""
     cos, sin = rope
+    rotary_dim = rotary_dim or head_dim
     kernels = _kernels_for(x)
-    if kernels is not None:
+    if kernels is not None and rotary_dim == head_dim:
         kernels.rotary_inplace(x, cos, sin, heads)
         return
-    t, half = x.shape[0], head_dim // 2
-    part = x[:, : heads * head_dim].view(t, heads, head_dim)
+    t, half = x.shape[0], rotary_dim // 2
+    part = x[:, : heads * head_dim].view(t, heads, head_dim)[..., :rotary_dim]
     c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # (T, 1, hd)
     rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
     part.copy_(part * c + rotated * s)

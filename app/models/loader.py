@@ -9,9 +9,10 @@ import torch
 from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
-from app.models.llama import LlamaForCausalLM
+from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.parallel import TPGroup, check_divisible
 from app.models.source import ModelSource
+from app.models.weight_loading import expected_pieces, load_weights
 from app.models.weights import iter_weights
 from app.protocol.errors import ModelLoadError
 
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     arch: ArchConfig
     source: ModelSource
     max_model_len: int
@@ -59,7 +60,7 @@ def load_model(
             raise ModelLoadError(source.name, str(exc)) from exc
     max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions, tp)
+        model = DecoderForCausalLM(arch, backend, max_positions, tp)
     # Materialise on the target device without initialising (weights come next);
     # the RoPE tables are buffers computed at construction, so rebuild them for real.
     model = model.to_empty(device=device)
@@ -67,10 +68,10 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     _rebuild_rope(model, arch, max_positions, device)
     try:
-        loaded = model.load_weights(iter_weights(source, arch))
+        loaded = load_weights(model, iter_weights(source, arch), tp)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(source.name, f"corrupt or mismatched weights: {exc}") from exc
-    missing = model.expected_weights() - loaded
+    missing = expected_pieces(model) - loaded
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ModelLoadError(
@@ -79,7 +80,10 @@ def load_model(
     model = model.to(dtype=dtype)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.float()  # cos/sin stay float32 whatever the model dtype
+    # cos/sin stay float32 whatever the model dtype
+    for rotary in (model.model.rotary, model.model.rotary_local):
+        if rotary is not None:
+            rotary.float()
     model.eval().requires_grad_(False)
     if can_prepack(dtype, device):
         prepack_linears(model)
@@ -88,11 +92,7 @@ def load_model(
 
 
 def _rebuild_rope(
-    model: LlamaForCausalLM, arch: ArchConfig, max_positions: int, device: torch.device
+    model: DecoderForCausalLM, arch: ArchConfig, max_positions: int, device: torch.device
 ) -> None:
-    from app.models.rope import RotaryEmbedding
-
     with torch.device(device):
-        model.model.rotary = RotaryEmbedding(
-            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
-        )
+        model.model.rotary, model.model.rotary_local = rotary_tables(arch, max_positions)

@@ -1,9 +1,10 @@
-"""Tensor parallelism (Megatron-style) for the Llama family: who holds which slice.
+"""Tensor parallelism (Megatron-style) for our decoder: who holds which slice.
 
 Shard r of N holds: query heads [r*nh/N, (r+1)*nh/N); its KV heads (a slice of them, or,
 when N exceeds the KV heads, the one KV head its query heads read, replicated); rows
 [r*I/N, (r+1)*I/N) of gate/up and the same columns of down; the matching columns of
-o_proj; and a slice of the vocabulary for the embedding and the LM head. Norms are
+o_proj; the same slice of every expert's intermediate dimension (routers are
+replicated); and a slice of the vocabulary for the embedding and the LM head. Norms are
 replicated. After o_proj and down_proj the partial sums are all-reduced; the LM head's
 vocabulary slices are gathered on rank 0, where sampling runs.
 
@@ -84,6 +85,11 @@ def check_divisible(arch: ArchConfig, size: int) -> None:
         problems.append(f"{arch.num_kv_heads} KV heads")
     if arch.intermediate_size % size:
         problems.append(f"intermediate size {arch.intermediate_size}")
+    if arch.moe is not None:
+        if arch.moe.intermediate_size % size:
+            problems.append(f"expert intermediate size {arch.moe.intermediate_size}")
+        if arch.moe.shared_intermediate_size % size:
+            problems.append(f"shared expert size {arch.moe.shared_intermediate_size}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not divide the model's {', '.join(problems)}"
@@ -95,8 +101,16 @@ def shard_arch(arch: ArchConfig, tp: TPGroup) -> ArchConfig:
     if not tp.enabled:
         return arch
     check_divisible(arch, tp.size)
+    moe = arch.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // tp.size,
+            shared_intermediate_size=moe.shared_intermediate_size // tp.size,
+        )
     return dataclasses.replace(
         arch,
+        moe=moe,
         num_heads=arch.num_heads // tp.size,
         num_kv_heads=max(1, arch.num_kv_heads // tp.size),
         intermediate_size=arch.intermediate_size // tp.size,

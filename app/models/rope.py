@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF's rotate-half layout), with linear and llama3 scaling."""
+"""Rotary position embeddings (HF's rotate-half layout), with linear, llama3 and LongRoPE
+scaling."""
 
 import math
 from typing import Any
@@ -30,16 +31,51 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope(
+    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3's LongRoPE: per-frequency divisors, `short_factor` within the pretraining
+    length and `long_factor` beyond, and cos/sin scaled by an attention factor.
+
+    transformers switches every position to the long factors once a sequence outgrows
+    the pretraining length; with a KV cache that would leave earlier keys rotated by the
+    short ones anyway, so each position keeps the factor of its own range: identical to
+    transformers below the pretraining length, and cache-consistent beyond it."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    tables = []
+    for key, rows in (
+        ("short_factor", positions[:original]),
+        ("long_factor", positions[original:]),
+    ):
+        inv_freq = 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * theta**shape)
+        tables.append(torch.outer(rows, inv_freq))
+    freqs = torch.cat(tables)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        if scaling.get("rope_type", scaling.get("type")) == "longrope":
+            cos, sin = _longrope(head_dim, max_positions, theta, scaling)
+        else:
+            inv_freq = inverse_frequencies(head_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+            cos, sin = emb.cos(), emb.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin for these positions, (T, hd); once per forward pass."""

@@ -30,9 +30,11 @@ _GGUF_GLOBALS = {
 
 
 def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from app.models.families import hf_tensors
+
     if source.is_gguf:
-        return iter_gguf(source, arch)
-    return iter_safetensors(source)
+        return hf_tensors(iter_gguf(source, arch), arch, norm_offset=False)
+    return hf_tensors(iter_safetensors(source), arch)
 
 
 def safetensors_files(source: ModelSource) -> list[Path]:

@@ -1,0 +1,33 @@
+"""Gemma 2 and Gemma 3 (text): the decoder with norms around both sublayers, RMSNorm
+scaled by (1 + w), embeddings scaled by sqrt(hidden), GELU, and sliding-window layers
+between global ones. Gemma 2 soft-caps attention scores and logits; Gemma 3 norms each
+query and key head instead and gives its sliding layers their own RoPE base."""
+
+from typing import Any
+
+from app.models.families.common import activation, rope_parameters, sliding_windows
+
+ARCHITECTURES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": False}
+
+
+def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    gemma3 = fields["architecture"] == "Gemma3ForCausalLM"
+    fields = {
+        **fields,
+        "sandwich_norms": True,
+        "norm_weight_offset": 1.0,
+        "embed_scale": fields["hidden_size"] ** 0.5,
+        "hidden_act": activation(hf_config, fields["architecture"]),
+        "attn_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
+        "attn_softcap": float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+        "final_softcap": float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
+        "layer_windows": sliding_windows(hf_config, fields["num_layers"]),
+        "qk_norm": gemma3,
+    }
+    if gemma3:
+        local = rope_parameters(hf_config, "sliding_attention")
+        theta = local.get("rope_theta") or getattr(hf_config, "rope_local_base_freq", 10000.0)
+        if local.get("rope_type", "default") != "default":
+            raise NotImplementedError("RoPE scaling on the sliding-window layers")
+        fields["local_rope_theta"] = float(theta)
+    return fields

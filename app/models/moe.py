@@ -1,0 +1,68 @@
+"""Routed experts (Mixtral, Qwen2/3-MoE): each token's top-k experts by the router's
+softmax, and, for Qwen2-MoE, a shared expert scaled by a sigmoid gate.
+
+Experts are stored stacked, (E, 2I, H) for gate|up and (E, H, I) for down, so one step
+runs one GEMM pair per expert that received tokens: tokens are grouped by expert, each
+group goes through its expert as a batch, and the weighted outputs are added back in
+expert order (the order transformers adds them, so float32 results match it exactly).
+Under tensor parallelism every shard holds a slice of every expert's intermediate
+dimension, like a dense MLP; the router is replicated.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.arch import ArchConfig
+from app.models.dense_mlp import DenseMLP, activate
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        """`arch` holds this shard's expert sizes (see parallel.shard_arch)."""
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.normalize = moe.normalize_top_k
+        self.act = arch.hidden_act
+        self.inter = moe.intermediate_size
+        self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=False)  # the router
+        self.expert_gate_up = nn.Parameter(
+            torch.empty(moe.num_experts, 2 * self.inter, arch.hidden_size)
+        )
+        self.expert_down = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size, self.inter))
+        self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = DenseMLP(
+                arch.hidden_size, moe.shared_intermediate_size, arch.hidden_act
+            )
+            self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This shard's partial sum of the experts' outputs (all-reduced by the caller)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # (T*k,) grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        picked_weights = weights.flatten()[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]
+            g, u = F.linear(x[rows], self.expert_gate_up[expert]).split(self.inter, dim=-1)
+            y = F.linear(activate(g, self.act) * u, self.expert_down[expert])
+            out.index_add_(0, rows, y * picked_weights[start : start + n, None])
+            start += n
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out += torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out

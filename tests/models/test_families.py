@@ -1,0 +1,87 @@
+"""Every supported family against transformers in float32: greedy output token for
+token over prompts longer than the sliding windows, with MoE prompts routed to every
+expert."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.models.moe import SparseMoE
+from app.protocol import SamplingParams
+from tests.helpers import tiny_engine
+from tests.models.family_checkpoints import FAMILIES, WINDOW, save_family_checkpoint
+
+NEW_TOKENS = 12
+PROMPTS = [
+    [5, 17, 99, 4, 250, 8, 8, 61, 12, 140, 33, 7, 201, 90],  # past the window
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3] * 2,
+    [42, 43],
+]
+
+
+def transformers_greedy(directory: Path, prompt: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    # eager: the only transformers attention that applies Gemma 2's soft-capping
+    model = AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    directory = tmp_path_factory.mktemp(request.param)
+    return request.param, save_family_checkpoint(directory, request.param)
+
+
+def test_greedy_output_matches_transformers(family):
+    name, directory = family
+    assert max(len(p) for p in PROMPTS) > WINDOW
+    engine = tiny_engine(directory)
+    routed = _record_routing(engine)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    assert ours == [transformers_greedy(directory, p) for p in PROMPTS], name
+    if routed is not None:
+        experts = engine.arch.moe.num_experts
+        assert routed == set(range(experts)), f"{name}: experts {routed} of {experts} used"
+
+
+def _record_routing(engine) -> set[int] | None:
+    """The experts the prompts are routed to (None for a dense model)."""
+    moes = [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoE)]
+    if not moes:
+        return None
+    used: set[int] = set()
+
+    def hook(module, args, logits):
+        used.update(torch.topk(logits, engine.arch.moe.top_k, dim=-1).indices.flatten().tolist())
+
+    for moe in moes:
+        moe.gate.register_forward_hook(hook)
+    return used
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe", "phi4-mini", "gemma2"])
+def test_tensor_parallel_matches_one_shard(name, tmp_path):
+    """Two shards: heads, the MLPs' and every expert's intermediate dimension split; the
+    shared expert, fused Phi-3 projections and Gemma's norms around sublayers included."""
+    from tests.engine.test_tensor_parallel import assert_same_as, run_all, tp_engine
+    from tests.helpers import tiny_config
+
+    directory = save_family_checkpoint(tmp_path, name)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    with tp_engine(tiny_config(directory, tensor_parallel_size=2)) as (engine, _):
+        deltas = run_all(engine, params)
+    assert_same_as(tiny_engine(directory), deltas, params)
