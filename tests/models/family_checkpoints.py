@@ -113,3 +113,31 @@ def save_family_checkpoint(directory: Path, family: str, seed: int = 0, **overri
     model = getattr(transformers, model_name)(config).eval()
     model.save_pretrained(directory)
     return directory
+
+
+def save_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
+    """gemma-3-4b-it's layout: a language model inside a vision-language checkpoint."""
+    import transformers
+
+    _, _, text = FAMILIES["gemma3"]
+    text_config = {**_COMMON, **text, "vocab_size": TINY_VOCAB + 4}
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text_config,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=TINY_VOCAB,
+        eoi_token_index=TINY_VOCAB + 1,
+        image_token_index=TINY_VOCAB + 2,
+        eos_token_id=TINY_EOS,
+    )
+    torch.manual_seed(seed)
+    transformers.Gemma3ForConditionalGeneration(config).eval().save_pretrained(directory)
+    return directory

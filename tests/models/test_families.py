@@ -58,6 +58,17 @@ def test_greedy_output_matches_transformers(family):
         assert routed == set(range(experts)), f"{name}: experts {routed} of {experts} used"
 
 
+def test_multimodal_gemma3_serves_its_language_model(tmp_path):
+    from tests.models.family_checkpoints import save_gemma3_multimodal
+
+    directory = save_gemma3_multimodal(tmp_path)
+    engine = tiny_engine(directory)
+    assert engine.arch.architecture == "Gemma3ForConditionalGeneration"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    assert ours == [transformers_greedy(directory, p) for p in PROMPTS]
+
+
 def _record_routing(engine) -> set[int] | None:
     """The experts the prompts are routed to (None for a dense model)."""
     moes = [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoE)]
@@ -85,3 +96,19 @@ def test_tensor_parallel_matches_one_shard(name, tmp_path):
     with tp_engine(tiny_config(directory, tensor_parallel_size=2)) as (engine, _):
         deltas = run_all(engine, params)
     assert_same_as(tiny_engine(directory), deltas, params)
+
+
+def test_unsupported_features_fail_at_load_naming_them(tmp_path):
+    from app.protocol import ModelLoadError
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    directory = save_family_checkpoint(tmp_path / "q", "qwen3", rope_parameters=yarn)
+    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM: unsupported RoPE scaling type 'yarn'"):
+        tiny_engine(directory)
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+    }
+    directory = save_family_checkpoint(tmp_path / "g", "gemma3", rope_parameters=rope)
+    with pytest.raises(ModelLoadError, match="Gemma3ForCausalLM: RoPE scaling on the sliding"):
+        tiny_engine(directory)

@@ -58,6 +58,9 @@ def read_arch_config(hf_config: Any, model_name: str) -> ArchConfig:
         )
     arch = supported[0]
     family = FAMILIES[arch]
+    # A multimodal checkpoint's language model has its own config inside.
+    language = getattr(family, "language_config", None)
+    hf_config = language(hf_config) if language else hf_config
     fields = common_fields(hf_config, arch, family.ARCHITECTURES[arch], model_name)
     try:
         fields = family.read(hf_config, fields)

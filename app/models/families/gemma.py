@@ -5,13 +5,27 @@ query and key head instead and gives its sliding layers their own RoPE base."""
 
 from typing import Any
 
+import torch
+
+from app.models.arch import ArchConfig
+
 from app.models.families.common import activation, rope_parameters, sliding_windows
 
-ARCHITECTURES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": False}
+ARCHITECTURES = {
+    "Gemma2ForCausalLM": False,
+    "Gemma3ForCausalLM": False,
+    # The multimodal checkpoints (gemma-3-4b-it and up): we serve their language model.
+    "Gemma3ForConditionalGeneration": False,
+}
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+
+
+def language_config(hf_config: Any) -> Any:
+    return getattr(hf_config, "text_config", None) or hf_config
 
 
 def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:
-    gemma3 = fields["architecture"] == "Gemma3ForCausalLM"
+    gemma3 = fields["architecture"] != "Gemma2ForCausalLM"
     fields = {
         **fields,
         "sandwich_norms": True,
@@ -31,3 +45,15 @@ def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:
             raise NotImplementedError("RoPE scaling on the sliding-window layers")
         fields["local_rope_theta"] = float(theta)
     return fields
+
+
+def rename(name: str, tensor: torch.Tensor, arch: ArchConfig) -> list[tuple[str, torch.Tensor]]:
+    """A multimodal checkpoint's language model under the text model's names; its vision
+    tower and projector are not loaded."""
+    if any(part in name for part in _VISION_PARTS):
+        return []
+    for prefix in ("language_model.", "model.language_model."):
+        if name.startswith(prefix):
+            rest = name.removeprefix(prefix)
+            return [(rest if rest.startswith(("model.", "lm_head")) else f"model.{rest}", tensor)]
+    return [(name, tensor)]
