@@ -8,7 +8,11 @@ Both use the same dtype and thread count. Also measured: single-stream decode ms
 (32-token prompt, 128 new tokens), TTFT of a 512-token prompt, and peak throughput with
 128 concurrent sequences (128-token prompts, 128 new tokens).
 
-The last line printed is a JSON object with every figure.
+`--arch FAMILY` (or `all`) runs the same comparison on a random checkpoint of each model
+family (tests/models/family_checkpoints.py) in its tiny test shape and in a realistic
+~100M-parameter shape (`--shape`), written to a temporary directory: no downloads.
+
+The last line printed is a JSON object with every figure (a list of them with --arch).
 """
 
 import argparse
@@ -147,21 +151,89 @@ def load_transformers_dense(model: str, dtype: torch.dtype):
     return hf.eval()
 
 
+# A realistic small shape (~100M parameters with a 32k vocabulary) for every family;
+# windows of 256 so the workload's prompts (up to 512 tokens) cross them.
+REALISTIC = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    eos_token_id=2,
+)
+REALISTIC_BY_FAMILY = {
+    "mistral-window": dict(sliding_window=256),
+    "gemma2": dict(sliding_window=256, num_hidden_layers=8),
+    "gemma3": dict(
+        sliding_window=256,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
+    ),
+    "phi4-mini": dict(max_position_embeddings=4096),
+    "mixtral": dict(num_local_experts=8, intermediate_size=352),
+    "qwen2-moe": dict(
+        num_experts=8, moe_intermediate_size=352, shared_expert_intermediate_size=1408
+    ),
+    "qwen3-moe": dict(num_experts=8, moe_intermediate_size=352),
+}
+
+
+def family_checkpoint(family: str, shape: str, root: Path) -> Path:
+    from tests.models.family_checkpoints import save_family_checkpoint
+
+    overrides: dict = {"max_position_embeddings": 1024}  # the workload's 512 + 256 tokens fit
+    if shape == "realistic":
+        overrides = {**REALISTIC, **REALISTIC_BY_FAMILY.get(family, {})}
+        if family.startswith("phi"):
+            overrides.pop("head_dim")  # Phi-3 derives it from hidden / heads
+    return save_family_checkpoint(root / f"{family}-{shape}", family, **overrides)
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--arch", help="a family of tests/models/family_checkpoints.py, or all")
+    parser.add_argument("--shape", default="both", choices=["tiny", "realistic", "both"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-hf", action="store_true", help="only Shoal's figures")
     args = parser.parse_args()
-
     torch.set_num_threads(args.threads)
+    if not args.arch:
+        print(json.dumps(run(args.model, args)))
+        return
+    import tempfile
+
+    from tests.models.family_checkpoints import FAMILIES
+
+    families = sorted(FAMILIES) if args.arch == "all" else [args.arch]
+    shapes = ["tiny", "realistic"] if args.shape == "both" else [args.shape]
+    results = []
+    with tempfile.TemporaryDirectory() as root:
+        for family in families:
+            for shape in shapes:
+                path = family_checkpoint(family, shape, Path(root))
+                print(f"== {family} ({shape})")
+                results.append({"arch": family, "shape": shape, **run(str(path), args)})
+    print(f"{'arch':16} {'shape':9} {'shoal tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
+    for r in results:
+        print(
+            f"{r['arch']:16} {r['shape']:9} {r['shoal_tok_s']:11.1f} "
+            f"{r.get('hf_tok_s', float('nan')):9.1f} {r.get('ratio', float('nan')):6.2f}"
+        )
+    print(json.dumps(results))
+
+
+def run(model: str, args: argparse.Namespace) -> dict:
     engine = LLMEngine(
         EngineConfig(
-            model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=2.0
+            model=model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=2.0
         )
     )
     dtype = engine.config.torch_dtype
@@ -195,7 +267,7 @@ def main() -> None:
     }
     if not args.skip_hf:
         del engine
-        hf = load_transformers_dense(args.model, dtype)
+        hf = load_transformers_dense(model, dtype)
         hf_s, hf_tokens = hf_static(hf, work, pad_id=0, batch=args.hf_batch)
         hf_tok_s = hf_tokens / hf_s
         print(
@@ -209,7 +281,7 @@ def main() -> None:
             hf_single_stream_ms=round(hf_ms, 2),
         )
         print(f"ratio (shoal / transformers): {result['ratio']:.2f}x")
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
