@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from app.models.arch import ArchConfig
-
 from app.models.families.common import activation, rope_parameters, sliding_windows
 
 ARCHITECTURES = {
