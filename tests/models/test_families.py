@@ -103,7 +103,9 @@ def test_unsupported_features_fail_at_load_naming_them(tmp_path):
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
     directory = save_family_checkpoint(tmp_path / "q", "qwen3", rope_parameters=yarn)
-    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM: unsupported RoPE scaling type 'yarn'"):
+    with pytest.raises(
+        ModelLoadError, match="Qwen3ForCausalLM: unsupported RoPE scaling type 'yarn'"
+    ):
         tiny_engine(directory)
     rope = {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -112,3 +114,21 @@ def test_unsupported_features_fail_at_load_naming_them(tmp_path):
     directory = save_family_checkpoint(tmp_path / "g", "gemma3", rope_parameters=rope)
     with pytest.raises(ModelLoadError, match="Gemma3ForCausalLM: RoPE scaling on the sliding"):
         tiny_engine(directory)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen2-moe", "phi4-mini"])
+def test_bfloat16_follows_float32(name, tmp_path):
+    """bfloat16 runs each family's reduced-precision paths (prepacked GEMMs with GELU on
+    CPUs that have them, the C++ norm and RoPE kernels); its first greedy tokens agree
+    with float32's."""
+    directory = save_family_checkpoint(tmp_path, name)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    runs = {
+        dtype: [
+            o.outputs[0].token_ids
+            for o in tiny_engine(directory, dtype=dtype).generate(PROMPTS, params)
+        ]
+        for dtype in ("float32", "bfloat16")
+    }
+    agree = sum(a == b for a, b in zip(runs["float32"], runs["bfloat16"], strict=True))
+    assert agree >= len(PROMPTS) - 1, runs
