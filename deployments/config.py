@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.engine.config import EngineConfig
 from app.models.source import DEFAULT_MODEL
+from app.text.reasoning import REASONING_PARSERS
 
 
 class AutoscalingConfig(BaseModel):
@@ -72,6 +73,19 @@ class ModelDeploymentConfig(BaseModel):
         description="Other ids that name this model (e.g. the one a client has hard-coded).",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template that replaces the tokenizer's own: the template "
+        "itself (text with {% or {{), or the path of a file holding it, read when the config "
+        "is validated. None: the tokenizer's.",
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        description="How a reasoning model's thinking is split from its answer "
+        f"({', '.join(REASONING_PARSERS)}). auto: by the chat template (one that writes "
+        "<think> gets qwen3's markers), else none; deepseek_r1: the output starts inside "
+        "the thinking. Either way, a prompt that opens (or closes) the block decides.",
+    )
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (no autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(
         None, description="Set to scale between min and max replicas; num_replicas is then unused."
@@ -107,6 +121,27 @@ class ModelDeploymentConfig(BaseModel):
         description="Stream messages a replica sends per second, shared by its open streams "
         "(tokens in between are merged; first and last tokens go at once). 0: one per token.",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        """A path becomes its file's text here, so every deployment (on any node) gets the
+        template itself."""
+        if value is None or "{%" in value or "{{" in value:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"chat_template: no file at {value!r} (a template itself holds {{% or {{{{)"
+            )
+        return path.read_text()
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str) -> str:
+        if value not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        return value
 
 
 class EmbeddingsConfig(BaseModel):

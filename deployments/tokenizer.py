@@ -7,14 +7,16 @@ from ray import serve
 
 from app.models.source import resolve_model
 from app.models.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
-from app.protocol.errors import InvalidRequestError
-from app.protocol.messages import PromptEnding
+from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.messages import PromptEnding, TemplateArgs
 from deployments.config import ModelDeploymentConfig
 
 
 class Tokenizer:
     def __init__(self, models: list[ModelDeploymentConfig]) -> None:
-        self.tokenizers = {m.name: load_tokenizer(resolve_model(m.engine.model)) for m in models}
+        self.tokenizers = {
+            m.name: load_tokenizer(resolve_model(m.engine.model), m.chat_template) for m in models
+        }
         self.runtime: dict[str, Any] = {}
 
     def _get(self, model: str, source: str | None) -> Any:
@@ -43,8 +45,9 @@ class Tokenizer:
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         ending: PromptEnding = "reply",
+        args: TemplateArgs | None = None,
     ) -> list[int]:
-        return self._render(chat_token_ids, model, messages, source, tools, ending)
+        return self._render(chat_token_ids, model, messages, source, tools, ending, args)
 
     def chat_prompt(
         self,
@@ -53,9 +56,10 @@ class Tokenizer:
         source: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         ending: PromptEnding = "reply",
+        args: TemplateArgs | None = None,
     ) -> str:
         """The text `encode_chat` encodes (llama.cpp's /apply-template)."""
-        return self._render(chat_prompt, model, messages, source, tools, ending)
+        return self._render(chat_prompt, model, messages, source, tools, ending, args)
 
     def _render(
         self,
@@ -65,17 +69,19 @@ class Tokenizer:
         source: str | None,
         tools: list[dict[str, Any]] | None,
         ending: PromptEnding,
+        args: TemplateArgs | None,
     ) -> Any:
         tokenizer = self._get(model, source)
-        if not getattr(tokenizer, "chat_template", None):
+        own_template = args is not None and args.template is not None
+        if not own_template and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
         if ending == "continue" and (not messages or messages[-1].get("role") != "assistant"):
             raise InvalidRequestError(
                 "continuing the final message needs an assistant message last", "messages"
             )
         try:
-            return render(tokenizer, messages, tools, ending)
-        except InvalidRequestError:
+            return render(tokenizer, messages, tools, ending, args)
+        except ShoalError:
             raise
         except Exception as exc:  # template errors (e.g. role order) are the client's
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc

@@ -1,25 +1,36 @@
 """Tokenizer and chat template, from transformers, for the same sources as the weights."""
 
+import functools
+import inspect
 from importlib.resources import files
 from typing import Any
 
+from app.models.request_template import RenderJob, render_request_template
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError, ModelLoadError
-from app.protocol.messages import PromptEnding
+from app.protocol.messages import PromptEnding, TemplateArgs
 
 # For ChatML models whose own template has no tools (SmolLM2): Hermes-style tool calls.
 CHATML_TOOLS_TEMPLATE = (files("app.models.templates") / "chatml_tools.jinja").read_text()
 
 
-def load_tokenizer(source: ModelSource) -> Any:
+def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any:
+    """The model's tokenizer; `chat_template` (the model's configured override) replaces
+    its own template."""
     from transformers import AutoTokenizer
 
     try:
         if source.is_gguf:
-            return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
-        return AutoTokenizer.from_pretrained(str(source.directory))
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(source.directory), gguf_file=source.gguf_file
+            )
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(source.name, f"cannot load its tokenizer: {exc}") from exc
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def tools_template(tokenizer: Any) -> str | None:
@@ -40,10 +51,19 @@ def chat_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     ending: PromptEnding = "reply",
+    args: TemplateArgs | None = None,
 ) -> str:
     """The prompt's text under the model's chat template, ending as `ending` says; with
     `tools` (or earlier calls and tool results in `messages`), under the template that
-    renders them."""
+    renders them. `args`: the request's own template (rendered apart, bounded) and
+    more variables for the template."""
+    args = args or TemplateArgs()
+    variables = _checked_variables(args.variables)
+    if args.template is not None:
+        # As apply_chat_template gives them: the special tokens, then the request's.
+        special = dict(tokenizer.special_tokens_map)
+        job = RenderJob(args.template, messages, tools, ending, {**special, **variables})
+        return render_request_template(job)
     template = None
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         template = tools_template(tokenizer)
@@ -58,6 +78,7 @@ def chat_prompt(
         add_generation_prompt=ending == "reply",
         continue_final_message=ending == "continue",
         tokenize=False,
+        **variables,
     )
 
 
@@ -66,8 +87,30 @@ def chat_token_ids(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     ending: PromptEnding = "reply",
+    args: TemplateArgs | None = None,
 ) -> list[int]:
     """The prompt's token ids: `chat_prompt`'s text, encoded as transformers does for a
     rendered template (its special tokens are in the text, so none are added)."""
-    text = chat_prompt(tokenizer, messages, tools, ending)
+    text = chat_prompt(tokenizer, messages, tools, ending, args)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _checked_variables(variables: dict[str, Any]) -> dict[str, Any]:
+    """A request's template variables, none of them one the render sets itself (they
+    would change how it runs: `tokenize`, `return_tensors`, ...)."""
+    taken = sorted(set(variables) & _reserved_names())
+    if taken:
+        raise InvalidRequestError(
+            f"chat_template_kwargs: {', '.join(taken)} cannot be set here", "chat_template_kwargs"
+        )
+    return variables
+
+
+@functools.cache
+def _reserved_names() -> frozenset[str]:
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    names = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    names |= set(inspect.signature(render_jinja_template).parameters)
+    return frozenset(names - {"self", "kwargs"} | {"messages"})

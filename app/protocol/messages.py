@@ -2,10 +2,12 @@
 never a dialect's schema). Every call that touches a context carries its `ContextOp`,
 which is all a request router needs to read."""
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
+from app.protocol.errors import InvalidRequestError
 from app.protocol.outputs import EngineErrorMessage
 from app.protocol.sampling import SamplingParams
 
@@ -15,6 +17,7 @@ __all__ = [
     "EngineErrorMessage",
     "EngineRequest",
     "PromptEnding",
+    "TemplateArgs",
     "context_op",
 ]
 
@@ -22,6 +25,43 @@ __all__ = [
 # prompt), with the last (assistant) message left open for the model to go on with (a
 # prefill), or as it is (no generation prompt: vLLM's add_generation_prompt=false).
 PromptEnding = Literal["reply", "continue", "none"]
+
+# A request's own chat template is user input run as (sandboxed) code: bounded in size
+# here, in time and memory where it is rendered (app/models/request_template.py).
+MAX_TEMPLATE_CHARS = 64 * 1024
+MAX_TEMPLATE_VARIABLES_CHARS = 64 * 1024  # chat_template_kwargs, as JSON
+
+
+@dataclass(frozen=True)
+class TemplateArgs:
+    """What a request adds to its chat template's render: its own template (vLLM's
+    `chat_template`; None: the model's) and more variables for it (vLLM's
+    `chat_template_kwargs`; Ollama's `think` and Anthropic's `thinking` become
+    `enable_thinking`)."""
+
+    template: str | None = None
+    variables: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def checked(
+        cls, template: str | None, variables: dict[str, Any] | None
+    ) -> "TemplateArgs | None":
+        """A request's fields (vLLM's names) within bounds; None when it gives neither."""
+        if template is None and not variables:
+            return None
+        if template is not None and len(template) > MAX_TEMPLATE_CHARS:
+            raise InvalidRequestError(
+                f"chat_template is {len(template)} characters; at most {MAX_TEMPLATE_CHARS}",
+                "chat_template",
+            )
+        size = len(json.dumps(variables or {}, default=str))
+        if size > MAX_TEMPLATE_VARIABLES_CHARS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs is {size} characters of JSON; at most "
+                f"{MAX_TEMPLATE_VARIABLES_CHARS}",
+                "chat_template_kwargs",
+            )
+        return cls(template, dict(variables or {}))
 
 
 class ContextAction(StrEnum):
