@@ -21,13 +21,16 @@ _module: ModuleType | None = None
 _tried = False
 
 
-def _cpu_signature() -> str:
+def _build_signature(source: Path) -> str:
+    """CPU flags and source in one hash, for the build's cache name: -march=native makes a
+    build valid only on CPUs with the same features, and an edited kernels.cpp must not
+    find an older build of itself under the same name."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+    return hashlib.sha1(flags.encode() + source.read_bytes()).hexdigest()[:10]
 
 
 def load() -> ModuleType | None:
@@ -48,8 +51,7 @@ def load() -> ModuleType | None:
 
             source = Path(__file__).with_name("kernels.cpp")
             _module = build(
-                # -march=native: a build is only valid on CPUs with the same features
-                name=f"shoal_cpu_kernels_{_cpu_signature()}",
+                name=f"shoal_cpu_kernels_{_build_signature(source)}",
                 sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
