@@ -60,8 +60,17 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Write k and v into the cache, then attend; returns (T, nh, hd)."""
+        """Write k and v into the cache, then attend; returns (T, nh, hd).
+
+        A query at position p sees the cached keys j <= p; with `window` > 0 only those
+        with p - j < window (sliding-window attention; 0: no limit). With `softcap` > 0,
+        scores (already scaled) become softcap * tanh(score / softcap) before masking and
+        softmax (Gemma 2's logit capping; 0: off). One metadata object serves every layer
+        of a forward whatever its window, so window-dependent state is built on demand.
+        """
 
     def copy_blocks(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor

@@ -6,10 +6,12 @@ KV cache layout per layer: (num_blocks, nkv, block_size, hd).
   their keys and values in place from the blocks named by each block table.
 - Otherwise (no compiler, or a GPU without FlashAttention): one gather over the
   (block, kv head) pairs of each block table yields (nkv, L, hd) with no further copy;
-  decodes then use two matmuls, prefills SDPA.
+  decodes then use two matmuls, prefills SDPA (two matmuls too under a softcap, which
+  SDPA cannot apply). A sliding window is a mask here, built once per window and forward;
+  the kernels skip the blocks before it instead.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +28,32 @@ class KernelBatch:
     starts: torch.Tensor | None = None  # (S + 1,) int32 query offsets, prefills only
 
 
+def visible_keys(q_pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """(len(q_pos), length) bool: key j is visible to a query at position p iff j <= p
+    and, with a window, p - j < window."""
+    j = torch.arange(length, device=q_pos.device)[None, :]
+    seen = j <= q_pos[:, None]
+    if window > 0:
+        seen &= j > q_pos[:, None] - window
+    return seen
+
+
 @dataclass
 class PrefillSpan:
     start: int  # first query token in the flat batch
     end: int
     context_len: int
     gather_index: torch.Tensor | None  # (nkv, nblk) rows of the cache; None: no cached prefix
-    mask: torch.Tensor | None  # (Lq, context_len) bool, True where a key is visible
+    device: torch.device
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window
+
+    def mask(self, window: int) -> torch.Tensor:
+        """(Lq, context_len) bool, True where a key is visible; built on first use."""
+        if window not in self.masks:
+            ctx = self.context_len
+            q_pos = torch.arange(ctx - (self.end - self.start), ctx, device=self.device)
+            self.masks[window] = visible_keys(q_pos, ctx, window)
+        return self.masks[window]
 
 
 @dataclass
@@ -44,8 +65,18 @@ class TorchAttentionMetadata:
     kernel_decode: KernelBatch | None = None
     kernel_prefill: KernelBatch | None = None
     decode_gather_index: torch.Tensor | None = None  # (D, nkv, nblk), torch path
-    decode_mask: torch.Tensor | None = None  # (D, 1, 1, L) additive float32, torch path
+    decode_lens: torch.Tensor | None = None  # (D,) int64, torch path
+    decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window, torch path
     prefills: list[PrefillSpan] | None = None  # torch path
+
+    def decode_mask(self, window: int, block_size: int) -> torch.Tensor:
+        """(D, 1, 1, L) additive float32: -inf on keys a decode must not see."""
+        if window not in self.decode_masks:
+            length = self.decode_gather_index.shape[-1] * block_size
+            seen = visible_keys(self.decode_lens - 1, length, window)
+            mask = torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
+            self.decode_masks[window] = mask[:, None, None, :]
+        return self.decode_masks[window]
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -120,25 +151,20 @@ class TorchPagedAttention(AttentionBackend):
         meta.decode_gather_index = (table[:, None, :] * nkv + torch.arange(nkv)[None, :, None]).to(
             device
         )
-        length = table.shape[1] * bs
-        hidden = torch.arange(length)[None, :] >= torch.tensor(lens)[:, None]  # (D, L)
-        mask = torch.zeros(d, 1, 1, length).masked_fill_(hidden[:, None, None, :], float("-inf"))
-        meta.decode_mask = mask.to(device)
+        meta.decode_lens = torch.tensor(lens).to(device)
 
     @staticmethod
     def _torch_prefills(layout: BatchLayout, nkv: int, device: torch.device) -> list[PrefillSpan]:
         bs, spans, start = layout.block_size, [], layout.num_decodes
         for i in range(layout.num_decodes, len(layout.query_lens)):
             q_len, ctx = layout.query_lens[i], layout.context_lens[i]
-            index = mask = None
+            index = None
             if ctx > q_len:
                 table = torch.tensor(
                     layout.block_tables[i][: (ctx + bs - 1) // bs], dtype=torch.long
                 )
                 index = (table[None, :] * nkv + torch.arange(nkv)[:, None]).to(device)
-                q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-                mask = (torch.arange(ctx)[None, :] <= q_pos).to(device)
-            spans.append(PrefillSpan(start, start + q_len, ctx, index, mask))
+            spans.append(PrefillSpan(start, start + q_len, ctx, index, device))
             start += q_len
         return spans
 
@@ -152,6 +178,8 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         kernels, d = self.kernels, metadata.num_decodes
         if kernels is not None:
@@ -164,20 +192,28 @@ class TorchPagedAttention(AttentionBackend):
             kb = metadata.kernel_decode
             outputs.append(
                 kernels.paged_decode_attention(
-                    q[:d].contiguous(), k_cache, v_cache, kb.tables, kb.lens, scale
+                    q[:d].contiguous(), k_cache, v_cache, kb.tables, kb.lens, scale, window, softcap
                 )
             )
         elif d:
-            outputs.append(self._decode(q[:d], k_cache, v_cache, metadata, scale))
+            outputs.append(self._decode(q[:d], k_cache, v_cache, metadata, scale, window, softcap))
         if metadata.kernel_prefill is not None:
             kb = metadata.kernel_prefill
             outputs.append(
                 kernels.paged_prefill_attention(
-                    q[d:].contiguous(), k_cache, v_cache, kb.tables, kb.lens, kb.starts, scale
+                    q[d:].contiguous(),
+                    k_cache,
+                    v_cache,
+                    kb.tables,
+                    kb.lens,
+                    kb.starts,
+                    scale,
+                    window,
+                    softcap,
                 )
             )
         for span in metadata.prefills or ():
-            outputs.append(self._prefill(q, k, v, k_cache, v_cache, span, scale))
+            outputs.append(self._prefill(q, k, v, k_cache, v_cache, span, scale, window, softcap))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
     @staticmethod
@@ -187,6 +223,8 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
+        window: int,
+        softcap: float,
     ) -> torch.Tensor:
         d, nh, hd = q.shape
         nkv, bs = k_cache.shape[1], k_cache.shape[2]
@@ -196,7 +234,9 @@ class TorchPagedAttention(AttentionBackend):
         values = v_cache.view(-1, bs, hd)[index].view(d, nkv, length, hd)
         q = q.view(d, nkv, nh // nkv, hd)  # query heads grouped by the kv head they share
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (D, nkv, G, L)
-        probs = torch.softmax(scores + meta.decode_mask, dim=-1).to(q.dtype)
+        if softcap > 0:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        probs = torch.softmax(scores + meta.decode_mask(window, bs), dim=-1).to(q.dtype)
         return torch.matmul(probs, values).view(d, nh, hd)
 
     @staticmethod
@@ -208,25 +248,50 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         span: PrefillSpan,
         scale: float,
+        window: int,
+        softcap: float,
     ) -> torch.Tensor:
-        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # (1, nh, Lq, hd)
-        if span.gather_index is None:
-            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # (1, nkv, Lq, hd)
-            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
-            )
+        ctx = span.context_len
+        if window >= ctx:  # every query already sees all its keys: the window changes nothing
+            window = 0
+        qs = q[span.start : span.end].transpose(0, 1)  # (nh, Lq, hd)
+        if span.gather_index is None:  # no cached prefix: the chunk's own keys are all
+            ks = k[span.start : span.end].transpose(0, 1)  # (nkv, Lq, hd)
+            vs = v[span.start : span.end].transpose(0, 1)
+            if window == 0 and softcap == 0:
+                out = F.scaled_dot_product_attention(
+                    qs[None], ks[None], vs[None], is_causal=True, scale=scale, enable_gqa=True
+                )
+                return out[0].transpose(0, 1)  # (Lq, nh, hd)
         else:
             nkv, bs, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-            ctx = span.context_len
             ks = k_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx]
             vs = v_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx]
-            out = F.scaled_dot_product_attention(
-                qs,
-                ks.unsqueeze(0),
-                vs.unsqueeze(0),
-                attn_mask=span.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-        return out[0].transpose(0, 1)  # (Lq, nh, hd)
+        mask = span.mask(window)
+        if softcap > 0:
+            return _softcapped_attention(qs, ks, vs, mask, scale, softcap).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            qs[None], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # (nh, Lq, hd)
+    k: torch.Tensor,  # (nkv, L, hd)
+    v: torch.Tensor,
+    mask: torch.Tensor,  # (Lq, L) bool
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with capped scores, which SDPA cannot apply; returns (nh, Lq, hd).
+    Scores are float32 products, as in SDPA: rounded to bf16 they lose up to 1/256 of
+    themselves, a few hundredths at the magnitudes a cap of 30 or 50 allows."""
+    nh, lq, hd = q.shape
+    nkv, length = k.shape[0], k.shape[1]
+    qg = q.reshape(nkv, nh // nkv * lq, hd)  # query heads grouped by the kv head they share
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))
+    scores.mul_(scale / softcap).tanh_().mul_(softcap)  # in place: these are big
+    scores = scores.view(nkv, nh // nkv, lq, length).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs.view(nkv, -1, length), v).view(nh, lq, hd)

@@ -1,62 +1,162 @@
-"""The paged attention backend: C++ decode kernel and torch fallback agree with a
-dense reference computed from the same keys and values."""
+"""The paged attention backend: C++ kernels and torch fallback agree with a dense
+float32 reference computed from the same keys and values, with and without a sliding
+window and a logit softcap.
+
+Three paths: "torch" (gathers, SDPA), "kernels" (what this CPU runs: the decode kernel,
+and the prefill kernel where it is vectorised, else SDPA) and "prefill_kernel" (both
+kernels, the prefill one even in its scalar build, so that its tiling and key ranges are
+checked on any CPU)."""
 
 import pytest
 import torch
 
 from app.models.attention import BatchLayout
 from app.models.torch_attention import TorchPagedAttention
-from tests.helpers import dense_reference
 
-NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 4, 64
+NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 4, 96
+PATHS = ["torch", "kernels", "prefill_kernel"]
+WINDOWS = [0, 1, 5, 8]  # none; only itself; not a multiple of the block size; a multiple
+SOFTCAPS = [0.0, 50.0]
+# Three decodes; a chunk after a cached prefix; a chunk that spans two query tiles and
+# several key chunks of the prefill kernel; a fresh prefill with nothing cached.
+CONTEXTS, QUERIES, DECODES = [9, 14, 40, 11, 37, 7], [1, 1, 1, 5, 20, 7], 3
 
 
-def make_backend(use_kernels: bool) -> TorchPagedAttention:
+def make_backend(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchPagedAttention:
     backend = TorchPagedAttention(torch.device("cpu"))
-    if not use_kernels:
+    if path == "torch":
         backend.kernels = None
     else:
         assert backend.kernels is not None, "C++ kernels failed to build"
+    if path == "prefill_kernel":
+        monkeypatch.setattr(TorchPagedAttention, "has_prefill_kernel", True)
     return backend
 
 
-@pytest.mark.parametrize("use_kernels", [True, False])
+def reference(q, keys, values, offset, window=0, softcap=0.0):
+    """Dense float32 attention. q: (Lq, nh, hd) at positions offset.., keys/values:
+    (L, nkv, hd); key j is visible to a query at p iff j <= p and p - j < window."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).float()
+    v = values.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = offset + torch.arange(q.shape[0])[:, None]
+    j = torch.arange(keys.shape[0])[None, :]
+    visible = (j <= q_pos) & ((j > q_pos - window) if window > 0 else True)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+
+
+class Batch:
+    """Sequences with random keys and values, the part before this step already cached."""
+
+    def __init__(self, backend, contexts, queries, decodes, dtype, nkv=NKV, nh=NH, hd=HD):
+        shape = backend.kv_cache_shape(NBLOCKS, BS, nkv, hd)
+        self.k_cache, self.v_cache = (
+            torch.zeros(shape, dtype=dtype),
+            torch.zeros(shape, dtype=dtype),
+        )
+        self.contexts, self.queries = contexts, queries
+        free = torch.randperm(NBLOCKS).tolist()
+        self.tables = [[free.pop() for _ in range(-(-c // BS))] for c in contexts]
+        self.keys = [torch.randn(c, nkv, hd, dtype=dtype) for c in contexts]
+        self.values = [torch.randn(c, nkv, hd, dtype=dtype) for c in contexts]
+        slots = []
+        for table, kk, vv, n in zip(self.tables, self.keys, self.values, queries, strict=True):
+            ctx = kk.shape[0]
+            for pos in range(ctx - n):
+                self.k_cache[table[pos // BS], :, pos % BS] = kk[pos]
+                self.v_cache[table[pos // BS], :, pos % BS] = vv[pos]
+            slots += [table[p // BS] * BS + p % BS for p in range(ctx - n, ctx)]
+        self.layout = BatchLayout(queries, contexts, self.tables, slots, decodes, BS)
+        # Scores of a few units, so that a softcap of 50 changes them measurably.
+        self.q = torch.randn(sum(queries), nh, hd, dtype=dtype) * 4
+        self.new_k = torch.cat([kk[-n:] for kk, n in zip(self.keys, queries, strict=True)])
+        self.new_v = torch.cat([vv[-n:] for vv, n in zip(self.values, queries, strict=True)])
+
+    def poison_before_window(self, window: int) -> None:
+        """NaN in every cached key and value older than the first one this step may see:
+        a kernel that reads them, even to mask them, returns NaN."""
+        for table, ctx, n in zip(self.tables, self.contexts, self.queries, strict=True):
+            for pos in range(max(0, ctx - n - window + 1)):
+                self.k_cache[table[pos // BS], :, pos % BS] = float("nan")
+                self.v_cache[table[pos // BS], :, pos % BS] = float("nan")
+
+    def run(self, backend, meta, window=0, softcap=0.0):
+        scale = self.q.shape[-1] ** -0.5
+        return backend.forward(
+            self.q, self.new_k, self.new_v, self.k_cache, self.v_cache, meta, scale, window, softcap
+        )
+
+    def check(self, out, window=0, softcap=0.0):
+        tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+        start = 0
+        for kk, vv, c, n in zip(self.keys, self.values, self.contexts, self.queries, strict=True):
+            ref = reference(self.q[start : start + n], kk, vv, c - n, window, softcap)
+            got = out[start : start + n].float()
+            torch.testing.assert_close(
+                got, ref, atol=tol, rtol=tol, msg=lambda m, i=start: f"{i}: {m}"
+            )
+            start += n
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_dense_attention(use_kernels: bool, dtype: torch.dtype):
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_mixed_batch_matches_dense_attention(path, dtype, window, softcap, monkeypatch):
     torch.manual_seed(0)
-    backend = make_backend(use_kernels)
-    shape = backend.kv_cache_shape(NBLOCKS, BS, NKV, HD)
-    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    # Three sequences: two decodes (contexts 9 and 14), one prefill chunk of 5 after 6 cached.
-    contexts, queries = [9, 14, 11], [1, 1, 5]
-    free = torch.randperm(NBLOCKS).tolist()
-    tables = [[free.pop() for _ in range(-(-c // BS))] for c in contexts]
-    keys = [torch.randn(c, NKV, HD, dtype=dtype) for c in contexts]
-    values = [torch.randn(c, NKV, HD, dtype=dtype) for c in contexts]
-    for table, kk, vv in zip(tables, keys, values, strict=True):  # the already-cached part
-        for pos in range(kk.shape[0]):
-            k_cache[table[pos // BS], :, pos % BS] = kk[pos]
-            v_cache[table[pos // BS], :, pos % BS] = vv[pos]
-    slots = []
-    for table, ctx, n in zip(tables, contexts, queries, strict=True):
-        slots += [table[p // BS] * BS + p % BS for p in range(ctx - n, ctx)]
-    layout = BatchLayout(queries, contexts, tables, slots, num_decodes=2, block_size=BS)
-    meta = backend.build_metadata(layout, NKV, torch.device("cpu"))
-    q = torch.randn(sum(queries), NH, HD, dtype=dtype)
-    new_k = torch.cat([kk[c - n :] for kk, c, n in zip(keys, contexts, queries, strict=True)])
-    new_v = torch.cat([vv[c - n :] for vv, c, n in zip(values, contexts, queries, strict=True)])
-    out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, HD**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    start = 0
-    for kk, vv, c, n in zip(keys, values, contexts, queries, strict=True):
-        ref = dense_reference(q[start : start + n], kk, vv, c - n)
-        torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)
-        start += n
+    backend = make_backend(path, monkeypatch)
+    batch = Batch(backend, CONTEXTS, QUERIES, DECODES, dtype)
+    meta = backend.build_metadata(batch.layout, NKV, torch.device("cpu"))
+    batch.check(batch.run(backend, meta, window, softcap), window, softcap)
 
 
-@pytest.mark.parametrize("use_kernels", [True, False])
-def test_cache_write_lands_in_the_named_slots(use_kernels: bool):
-    backend = make_backend(use_kernels)
+@pytest.mark.parametrize("path", PATHS)
+def test_one_metadata_serves_layers_of_different_windows(path, monkeypatch):
+    """Gemma alternates sliding and global layers over the same forward's metadata."""
+    torch.manual_seed(1)
+    backend = make_backend(path, monkeypatch)
+    batch = Batch(backend, CONTEXTS, QUERIES, DECODES, torch.float32)
+    meta = backend.build_metadata(batch.layout, NKV, torch.device("cpu"))
+    for window, softcap in [(5, 50.0), (0, 50.0), (5, 50.0), (8, 0.0), (0, 0.0)]:
+        batch.check(batch.run(backend, meta, window, softcap), window, softcap)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("heads", [(1, 8), (4, 4), (2, 16)])
+def test_grouped_query_heads(path, heads, monkeypatch):
+    torch.manual_seed(2)
+    nkv, nh = heads
+    backend = make_backend(path, monkeypatch)
+    batch = Batch(backend, [21, 30, 26], [1, 1, 9], 2, torch.float32, nkv=nkv, nh=nh, hd=64)
+    meta = backend.build_metadata(batch.layout, nkv, torch.device("cpu"))
+    batch.check(batch.run(backend, meta, 6, 50.0), 6, 50.0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8])
+def test_kernels_never_read_before_the_window(window, monkeypatch):
+    """The point of a window on a paged cache: blocks wholly before it are not read."""
+    torch.manual_seed(3)
+    backend = make_backend("prefill_kernel", monkeypatch)
+    batch = Batch(backend, CONTEXTS, QUERIES, DECODES, torch.float32)
+    batch.poison_before_window(window)
+    meta = backend.build_metadata(batch.layout, NKV, torch.device("cpu"))
+    batch.check(batch.run(backend, meta, window), window)
+
+
+def test_softcap_is_seen_by_these_tests():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, NH, HD) * 4, torch.randn(9, NKV, HD), torch.randn(9, NKV, HD)
+    capped, plain = reference(q, k, v, 6, softcap=50.0), reference(q, k, v, 6)
+    assert (capped - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_cache_write_lands_in_the_named_slots(path, monkeypatch):
+    backend = make_backend(path, monkeypatch)
     shape = backend.kv_cache_shape(8, BS, NKV, HD)
     k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
     k, v = torch.randn(3, NKV, HD), torch.randn(3, NKV, HD)

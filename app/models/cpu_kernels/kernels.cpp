@@ -1,6 +1,7 @@
 // Shoal's CPU kernels, built on first use by app/models/cpu_kernels/__init__.py:
 //   paged_decode_attention   one query token per sequence, keys/values read in place
 //   paged_prefill_attention  causal attention of query chunks over their cached context
+//                            (vectorised with AVX-512; a scalar build for tests elsewhere)
 //   write_kv_cache           scatter new keys and values into their cache slots
 //   rms_norm, rotary_inplace float32 arithmetic for bf16/fp16 activations
 //
@@ -8,11 +9,17 @@
 // Attention work is split over (sequence, kv head[, query tile]) items; each item reads
 // its keys and values once, straight from the blocks named by the block table, for all
 // the query heads that share that kv head (GQA).
+//
+// Both attention kernels take `window` (> 0: a query at position p sees keys p - window
+// < j <= p, sliding-window attention) and `softcap` (> 0: scores become
+// softcap * tanh(score / softcap), Gemma 2's logit capping). A window moves where reading
+// starts, so blocks wholly before it are never touched.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -65,6 +72,31 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|), which keeps exp16 in its
+// domain (x <= 0); absolute error ~1e-7.
+inline __m512 tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+
+inline __m512 softcap16(__m512 x, float cap) {
+  return _mm512_mul_ps(_mm512_set1_ps(cap), tanh16(_mm512_mul_ps(x, _mm512_set1_ps(1.f / cap))));
+}
+
+inline void softcap_row(float* row, int64_t n, float cap) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(row + j, softcap16(_mm512_loadu_ps(row + j), cap));
+  for (; j < n; ++j) row[j] = cap * std::tanh(row[j] / cap);
+}
+
+template <typename scalar_t>
+inline void load_row(float* dst, const scalar_t* src, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+}
+
 inline void softmax(float* row, int64_t n) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
@@ -111,45 +143,65 @@ inline void softmax(float* row, int64_t n) {
   }
   for (int64_t j = 0; j < n; ++j) row[j] /= total;
 }
+
+inline void softcap_row(float* row, int64_t n, float cap) {
+  for (int64_t j = 0; j < n; ++j) row[j] = cap * std::tanh(row[j] / cap);
+}
+
+template <typename scalar_t>
+inline void load_row(float* dst, const scalar_t* src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
 #endif
+
+// First key a query at `pos` sees: the window keeps `window` keys ending at its own
+// (transformers' sliding window: key j visible iff j > pos - window); 0 keeps them all.
+inline int64_t first_visible(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
 
 
 #if defined(__AVX512F__)
 // One (sequence, kv head) of a decode with G query heads and head_dim = 16 * NC, with
 // queries, each key row and the output accumulators held in registers.
+// Keys [lo, ctx) are read (scores row g holds key lo + j at j), starting mid-block when
+// a window begins there, exactly as the portable loop in decode() does.
 template <typename scalar_t, int G, int NC>
 void decode_item(const float* qf, const scalar_t* kp, const scalar_t* vp, const int32_t* table,
-                 int64_t ctx, int64_t bs, int64_t block_stride, int64_t head_off, float* scores,
-                 float* out) {
+                 int64_t lo, int64_t ctx, int64_t bs, int64_t block_stride, int64_t head_off,
+                 float softcap, float* scores, float* out) {
   constexpr int64_t hd = NC * 16;
+  const int64_t len = ctx - lo;
   __m512 qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * hd + c * 16);
-  for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
+  for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
     const scalar_t* kb = kp + table[b] * block_stride + head_off;
     const int64_t n = std::min(bs, ctx - start);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t) {
       __m512 kv[NC];
       for (int c = 0; c < NC; ++c) kv[c] = load16(kb + t * hd + c * 16);
       for (int g = 0; g < G; ++g) {
         __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
         for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-        scores[g * ctx + start + t] = _mm512_reduce_add_ps(a);
+        scores[g * len + start + t - lo] = _mm512_reduce_add_ps(a);
       }
     }
   }
-  for (int g = 0; g < G; ++g) softmax(scores + g * ctx, ctx);
+  if (softcap > 0.f)
+    for (int g = 0; g < G; ++g) softcap_row(scores + g * len, len, softcap);
+  for (int g = 0; g < G; ++g) softmax(scores + g * len, len);
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
+  for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
     const scalar_t* vb = vp + table[b] * block_stride + head_off;
     const int64_t n = std::min(bs, ctx - start);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t) {
       __m512 vv[NC];
       for (int c = 0; c < NC; ++c) vv[c] = load16(vb + t * hd + c * 16);
       for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * ctx + start + t]);
+        const __m512 w = _mm512_set1_ps(scores[g * len + start + t - lo]);
         for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
       }
     }
@@ -160,7 +212,7 @@ void decode_item(const float* qf, const scalar_t* kp, const scalar_t* vp, const 
 
 template <typename scalar_t>
 using DecodeItemFn = void (*)(const float*, const scalar_t*, const scalar_t*, const int32_t*,
-                              int64_t, int64_t, int64_t, int64_t, float*, float*);
+                              int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
 
 template <typename scalar_t, int NC>
 DecodeItemFn<scalar_t> pick_by_group(int64_t G) {
@@ -191,7 +243,7 @@ DecodeItemFn<scalar_t> pick_decode_item(int64_t G, int64_t hd) {
 template <typename scalar_t>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
-            double scale) {
+            double scale, int64_t window, double softcap) {
   const int64_t D = q.size(0), nh = q.size(1), hd = q.size(2);
   const int64_t nkv = k_cache.size(1), bs = k_cache.size(2);
   const int64_t G = nh / nkv, max_blocks = tables.size(1);
@@ -202,7 +254,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int64_t block_stride = nkv * bs * hd, head_stride = bs * hd;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
 #if defined(__AVX512F__)
   const DecodeItemFn<scalar_t> fast = pick_decode_item<scalar_t>(G, hd);
@@ -211,36 +263,40 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> qf(G * hd), acc(G * hd), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / nkv, h = w % nkv;
-      const int64_t ctx = lp[s];
+      const int64_t ctx = lp[s], lo = first_visible(ctx - 1, window), len = ctx - lo;
       const int32_t* table = tp + s * max_blocks;
-      scores.assign(G * ctx, 0.f);
+      scores.assign(G * len, 0.f);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < hd; ++d)
           qf[g * hd + d] = static_cast<float>(qp[(s * nh + h * G + g) * hd + d]) * fscale;
 #if defined(__AVX512F__)
       if (fast != nullptr) {
-        fast(qf.data(), kp, vp, table, ctx, bs, block_stride, h * head_stride, scores.data(), acc.data());
+        fast(qf.data(), kp, vp, table, lo, ctx, bs, block_stride, h * head_stride, cap, scores.data(),
+             acc.data());
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < hd; ++d)
             op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
         continue;
       }
 #endif
-      for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
+      // Blocks from the one holding key lo; the first is read from lo's offset.
+      for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
         const scalar_t* kb = kp + table[b] * block_stride + h * head_stride;
         const int64_t n = std::min(bs, ctx - start);
-        for (int64_t t = 0; t < n; ++t)
+        for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t)
           for (int64_t g = 0; g < G; ++g)
-            scores[g * ctx + start + t] = dot(qf.data() + g * hd, kb + t * hd, hd);
+            scores[g * len + start + t - lo] = dot(qf.data() + g * hd, kb + t * hd, hd);
       }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * ctx, ctx);
+      if (cap > 0.f)
+        for (int64_t g = 0; g < G; ++g) softcap_row(scores.data() + g * len, len, cap);
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0, start = 0; start < ctx; ++b, start += bs) {
+      for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
         const scalar_t* vb = vp + table[b] * block_stride + h * head_stride;
         const int64_t n = std::min(bs, ctx - start);
-        for (int64_t t = 0; t < n; ++t)
+        for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t)
           for (int64_t g = 0; g < G; ++g)
-            axpy(acc.data() + g * hd, scores[g * ctx + start + t], vb + t * hd, hd);
+            axpy(acc.data() + g * hd, scores[g * len + start + t - lo], vb + t * hd, hd);
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < hd; ++d)
@@ -274,6 +330,14 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
 }
 
 
+// Prefill (several query tokens per sequence), flash-attention style: work items are
+// (sequence, kv head, tile of up to 16 query tokens); each item walks the keys its tile
+// may see, kChunk at a time, keeping an online softmax per query row. Keys are
+// transposed into an (hd, kChunk) float tile once per chunk so scores need no
+// horizontal sums. prefill_row is the only part with two builds (AVX-512, scalar): the
+// tiling and the key ranges are shared, so the scalar build tests them anywhere.
+constexpr int64_t kChunk = 32;  // keys per step of the online softmax
+
 #if defined(__AVX512F__)
 
 // acc = acc * alpha + sum_j p[j] * v[j]; the hd/16 accumulators stay in registers.
@@ -305,14 +369,79 @@ inline void accumulate_pv(float* acc, float alpha, const float* p, const float* 
   }
 }
 
-// Prefill (several query tokens per sequence), flash-attention style: work items are
-// (sequence, kv head, tile of up to 16 query tokens); each item walks the key blocks it
-// may see (causal), 16 keys at a time, keeping an online softmax per query row. Keys are
-// transposed into a (hd, 16) float tile once per chunk so scores need no horizontal sums.
-template <typename scalar_t>
+// One query row against keys [begin, end) of the chunk (0 <= begin < end <= kChunk):
+// scores, the online-softmax update of m and l, acc = acc * alpha + p v. Always inlined,
+// as this body was before it had a name: without a window, begin is a constant 0.
+template <bool kSoftcap>
+__attribute__((always_inline)) inline void prefill_row(const float* qr, const float* kt, const float* vf, int64_t begin,
+                        int64_t end, float cap, float& m, float& l, float* acc, int64_t hd) {
+  static_assert(kChunk == 32, "scores are two halves of 16 keys");
+  // Two halves of 16 keys, two partial sums each: four independent FMA chains.
+  __m512 lo0 = _mm512_setzero_ps(), lo1 = lo0, hi0 = lo0, hi1 = lo0;
+  for (int64_t d = 0; d < hd; d += 2) {
+    const __m512 q0 = _mm512_set1_ps(qr[d]), q1 = _mm512_set1_ps(qr[d + 1]);
+    lo0 = _mm512_fmadd_ps(q0, _mm512_loadu_ps(kt + d * kChunk), lo0);
+    hi0 = _mm512_fmadd_ps(q0, _mm512_loadu_ps(kt + d * kChunk + 16), hi0);
+    lo1 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt + (d + 1) * kChunk), lo1);
+    hi1 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt + (d + 1) * kChunk + 16), hi1);
+  }
+  __m512 raw_lo = _mm512_add_ps(lo0, lo1), raw_hi = _mm512_add_ps(hi0, hi1);
+  if constexpr (kSoftcap) {
+    raw_lo = softcap16(raw_lo, cap);
+    raw_hi = softcap16(raw_hi, cap);
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // bit j set for keys begin <= j < end
+  const uint32_t keep = (end >= 32 ? ~0u : (1u << end) - 1u) & ~((1u << begin) - 1u);
+  const __mmask16 keep_lo = static_cast<__mmask16>(keep & 0xFFFFu);
+  const __mmask16 keep_hi = static_cast<__mmask16>(keep >> 16);
+  const __m512 s_lo = _mm512_mask_blend_ps(keep_lo, _mm512_set1_ps(neg_inf), raw_lo);
+  const __m512 s_hi = _mm512_mask_blend_ps(keep_hi, _mm512_set1_ps(neg_inf), raw_hi);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi)));
+  const __m512 mv = _mm512_set1_ps(m_new);
+  const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, exp16(_mm512_sub_ps(s_lo, mv)));
+  const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, exp16(_mm512_sub_ps(s_hi, mv)));
+  const float alpha = std::exp(m - m_new);
+  l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+  m = m_new;
+  alignas(64) float pbuf[kChunk];
+  _mm512_store_ps(pbuf, p_lo);
+  _mm512_store_ps(pbuf + 16, p_hi);
+  accumulate_pv(acc, alpha, pbuf + begin, vf + begin * hd, end - begin, hd);
+}
+#else
+template <bool kSoftcap>
+inline void prefill_row(const float* qr, const float* kt, const float* vf, int64_t begin,
+                        int64_t end, float cap, float& m, float& l, float* acc, int64_t hd) {
+  float p[kChunk];
+  float m_new = m;
+  for (int64_t j = begin; j < end; ++j) {
+    float s = 0.f;
+    for (int64_t d = 0; d < hd; ++d) s += qr[d] * kt[d * kChunk + j];
+    if constexpr (kSoftcap) s = cap * std::tanh(s / cap);
+    p[j] = s;
+    m_new = std::max(m_new, s);
+  }
+  const float alpha = std::exp(m - m_new);
+  float sum = 0.f;
+  for (int64_t j = begin; j < end; ++j) {
+    p[j] = std::exp(p[j] - m_new);
+    sum += p[j];
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  for (int64_t d = 0; d < hd; ++d) acc[d] *= alpha;
+  for (int64_t j = begin; j < end; ++j)
+    for (int64_t d = 0; d < hd; ++d) acc[d] += p[j] * vf[j * hd + d];
+}
+#endif
+
+// kWindow and kSoftcap are template arguments so that plain causal attention pays
+// nothing for either.
+template <typename scalar_t, bool kWindow, bool kSoftcap>
 void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
-             const at::Tensor& starts, double scale) {
+             const at::Tensor& starts, double scale, int64_t window, double softcap) {
   constexpr int64_t R = 16;  // query tokens per tile
   const int64_t nh = q.size(1), hd = q.size(2);
   const int64_t nkv = k_cache.size(1), bs = k_cache.size(2);
@@ -325,7 +454,7 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* sp = starts.data_ptr<int32_t>();
   const int64_t block_stride = nkv * bs * hd, head_stride = bs * hd;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   struct Item { int64_t seq, head, tile; };
   std::vector<Item> items;
@@ -338,10 +467,8 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    constexpr int64_t kChunk = 32;  // keys per step of the online softmax
     std::vector<float> qf(G * R * hd), acc(G * R * hd), kt(hd * kChunk), vf(kChunk * hd);
     std::vector<float> m(G * R), l(G * R);
-    alignas(64) float pbuf[32];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w) {
       const Item it = items[w];
@@ -359,7 +486,9 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const int64_t kv_end = first_pos + rows_tok;  // keys visible to the tile's last token
-      for (int64_t start = 0; start < kv_end;) {
+      // The tile's first token sees the earliest keys: under a window, reading starts at
+      // its first visible key and the blocks before are skipped.
+      for (int64_t start = kWindow ? first_visible(first_pos, window) : 0; start < kv_end;) {
         const int64_t nk = std::min<int64_t>(kChunk, kv_end - start);
         // Gather this chunk's keys (transposed, as floats) and values, block by block.
         for (int64_t j = 0; j < kChunk; ++j) {
@@ -370,37 +499,16 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           const int64_t pos = start + j;
           const int64_t base = table[pos / bs] * block_stride + it.head * head_stride + (pos % bs) * hd;
           for (int64_t d = 0; d < hd; ++d) kt[d * kChunk + j] = static_cast<float>(kp[base + d]);
-          for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(vf.data() + j * hd + d, load16(vp + base + d));
+          load_row(vf.data() + j * hd, vp + base, hd);
         }
         for (int64_t r = 0; r < rows; ++r) {
+          // The row sees chunk keys [begin, end): causal on the right, window on the left.
           const int64_t pos = first_pos + r % rows_tok;
-          const int64_t visible = std::min<int64_t>(nk, pos - start + 1);
-          if (visible <= 0) continue;
-          const float* qr = qf.data() + r * hd;
-          // Two halves of 16 keys, two partial sums each: four independent FMA chains.
-          __m512 lo0 = _mm512_setzero_ps(), lo1 = lo0, hi0 = lo0, hi1 = lo0;
-          for (int64_t d = 0; d < hd; d += 2) {
-            const __m512 q0 = _mm512_set1_ps(qr[d]), q1 = _mm512_set1_ps(qr[d + 1]);
-            lo0 = _mm512_fmadd_ps(q0, _mm512_loadu_ps(kt.data() + d * kChunk), lo0);
-            hi0 = _mm512_fmadd_ps(q0, _mm512_loadu_ps(kt.data() + d * kChunk + 16), hi0);
-            lo1 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt.data() + (d + 1) * kChunk), lo1);
-            hi1 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt.data() + (d + 1) * kChunk + 16), hi1);
-          }
-          const float neg_inf = -std::numeric_limits<float>::infinity();
-          const __mmask16 keep_lo = static_cast<__mmask16>(visible >= 16 ? 0xFFFFu : (1u << visible) - 1u);
-          const __mmask16 keep_hi = static_cast<__mmask16>(visible <= 16 ? 0u : (visible >= 32 ? 0xFFFFu : (1u << (visible - 16)) - 1u));
-          const __m512 s_lo = _mm512_mask_blend_ps(keep_lo, _mm512_set1_ps(neg_inf), _mm512_add_ps(lo0, lo1));
-          const __m512 s_hi = _mm512_mask_blend_ps(keep_hi, _mm512_set1_ps(neg_inf), _mm512_add_ps(hi0, hi1));
-          const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi)));
-          const __m512 mv = _mm512_set1_ps(m_new);
-          const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, exp16(_mm512_sub_ps(s_lo, mv)));
-          const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, exp16(_mm512_sub_ps(s_hi, mv)));
-          const float alpha = std::exp(m[r] - m_new);
-          l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
-          m[r] = m_new;
-          _mm512_store_ps(pbuf, p_lo);
-          _mm512_store_ps(pbuf + 16, p_hi);
-          accumulate_pv(acc.data() + r * hd, alpha, pbuf, vf.data(), visible, hd);
+          const int64_t end = std::min<int64_t>(nk, pos - start + 1);
+          const int64_t begin = kWindow ? std::max<int64_t>(first_visible(pos, window) - start, 0) : 0;
+          if (end <= begin) continue;
+          prefill_row<kSoftcap>(qf.data() + r * hd, kt.data(), vf.data(), begin, end, cap, m[r], l[r],
+                                acc.data() + r * hd, hd);
         }
         start += nk;
       }
@@ -413,7 +521,6 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
 }
-#endif
 
 
 // RMSNorm over the last dimension, float32 arithmetic, any of our dtypes in and out.
@@ -508,14 +615,17 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, in
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt);
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(!kVectorized || q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are 0 (off) or positive");
   auto out = at::empty_like(q);
   SHOAL_DISPATCH(q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale);
+    decode<scalar_t>(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale,
+                     window, softcap);
   });
   return out;
 }
@@ -523,21 +633,22 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& context_lens, const at::Tensor& query_starts,
-                                   double scale) {
-#if defined(__AVX512F__)
+                                   double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
               query_starts.scalar_type() == at::kInt);
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(2) % 16 == 0);
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(!kVectorized || q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are 0 (off) or positive");
   auto out = at::empty_like(q);
   SHOAL_DISPATCH(q.scalar_type(), "paged_prefill", [&] {
-    prefill<scalar_t>(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(),
-                      query_starts.contiguous(), scale);
+    using Fn = decltype(&prefill<scalar_t, false, false>);
+    const Fn run = window > 0 ? (softcap > 0 ? &prefill<scalar_t, true, true> : &prefill<scalar_t, true, false>)
+                              : (softcap > 0 ? &prefill<scalar_t, false, true> : &prefill<scalar_t, false, false>);
+    run(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), query_starts.contiguous(),
+        scale, window, softcap);
   });
   return out;
-#else
-  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512");
-#endif
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -555,13 +666,9 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
   SHOAL_DISPATCH(x.scalar_type(), "rotary", [&] { rotary_impl<scalar_t>(x, cos, sin, heads); });
 }
 
-bool has_prefill_kernel() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+// Whether paged_prefill_attention is the vectorised build; the scalar one is slower than
+// torch's SDPA, so the backend uses it only here.
+bool has_prefill_kernel() { return kVectorized; }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
@@ -576,7 +683,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention, one query token per sequence");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention over query chunks");
-  m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is compiled in");
+  m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is vectorised (AVX-512)");
   m.def("rms_norm", &rms_norm, "RMSNorm with float32 arithmetic");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE applied in place to the leading heads");
   m.def("write_kv_cache", &write_kv_cache, "scatter new keys and values into their cache slots");
