@@ -10,6 +10,10 @@ layout. Each step writes its new keys and values into their slots first, then:
   place; FlashAttention aligns the causal mask bottom-right, which is what a chunk whose
   keys run past its queries needs.
 
+A sliding window is FlashAttention's `window_size=(window - 1, 0)`: a query at p sees
+keys p - window + 1 .. p; a logit softcap is its `softcap` (flash-attn >= 2.6). Neither
+argument is passed when off, so older flash-attn releases still serve other models.
+
 FlashAttention-2's paged kernels need blocks of a multiple of 256 tokens; the engine
 falls back to the torch backend (app/models/torch_attention.py) for other block sizes.
 The two kernels are attributes so the layout and metadata can be checked on the CPU
@@ -110,11 +114,18 @@ class FlashAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: FlashMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         nkv, hd = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, nkv, hd).index_copy_(0, metadata.slots, k)
         v_cache.view(-1, nkv, hd).index_copy_(0, metadata.slots, v)
         d, outputs = metadata.num_decodes, []
+        extra: dict[str, Any] = {}
+        if window > 0:
+            extra["window_size"] = (window - 1, 0)
+        if softcap > 0:
+            extra["softcap"] = softcap
         if d:
             out = self.with_kvcache(
                 q[:d].unsqueeze(1),  # (D, 1, nh, hd)
@@ -124,6 +135,7 @@ class FlashAttentionBackend(AttentionBackend):
                 block_table=metadata.decode_tables,
                 softmax_scale=scale,
                 causal=True,
+                **extra,
             )
             outputs.append(out.squeeze(1))
         if metadata.cu_q is not None:
@@ -139,6 +151,7 @@ class FlashAttentionBackend(AttentionBackend):
                     softmax_scale=scale,
                     causal=True,
                     block_table=metadata.prefill_tables,
+                    **extra,
                 )
             )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

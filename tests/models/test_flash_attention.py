@@ -23,38 +23,67 @@ def _paged_keys(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.
     return cache[table.long()].reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
-def _attend(q, keys, values, scale, causal):  # q (Lq, nh, hd), keys (L, nkv, hd)
+def _attend(q, keys, values, scale, causal, window_size=(-1, -1), softcap=0.0):
+    """q (Lq, nh, hd), keys (L, nkv, hd). As documented: a causal mask aligned bottom-right;
+    window_size (left, right): query i sees keys i + L - Lq - left .. i + L - Lq + right."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).float()
     v = values.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    if causal:  # bottom-right: the last query sees every key
-        lq, lk = q.shape[0], keys.shape[0]
-        visible = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    lq, lk = q.shape[0], keys.shape[0]
+    diag = (lk - lq + torch.arange(lq))[:, None]  # the key aligned with each query
+    j = torch.arange(lk)[None, :]
+    visible = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        visible &= j <= diag
+    left, right = window_size
+    if left >= 0:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v).to(q.dtype)
 
 
-def ref_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
+def ref_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, **kw):
     outs = []
     for b in range(q.shape[0]):
         n = int(cache_seqlens[b])
         keys = _paged_keys(k_cache, block_table[b], n)
         values = _paged_keys(v_cache, block_table[b], n)
-        outs.append(_attend(q[b], keys, values, softmax_scale, causal))
+        outs.append(_attend(q[b], keys, values, softmax_scale, causal, **kw))
     return torch.stack(outs)
 
 
 def ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
     outs = []
+    table, scale, causal = kw.pop("block_table"), kw.pop("softmax_scale"), kw.pop("causal")
     for b in range(len(cu_seqlens_q) - 1):
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         n = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
         assert hi - lo <= max_seqlen_q and n <= max_seqlen_k
-        keys = _paged_keys(k, kw["block_table"][b], n)
-        values = _paged_keys(v, kw["block_table"][b], n)
-        outs.append(_attend(q[lo:hi], keys, values, kw["softmax_scale"], kw["causal"]))
+        keys = _paged_keys(k, table[b], n)
+        values = _paged_keys(v, table[b], n)
+        outs.append(_attend(q[lo:hi], keys, values, scale, causal, **kw))
     return torch.cat(outs)
+
+
+def windowed_reference(q, keys, values, offset, window, softcap):
+    """Dense float32 attention as the backends promise it: the query at position p
+    (offset + its index) sees keys j <= p with p - j < window; scores capped first."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).float()
+    v = values.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    p = offset + torch.arange(q.shape[0])[:, None]
+    j = torch.arange(keys.shape[0])[None, :]
+    visible = (j <= p) & ((p - j < window) if window > 0 else True)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
 
 REFERENCE = SimpleNamespace(
@@ -62,7 +91,7 @@ REFERENCE = SimpleNamespace(
 )
 
 
-def run_batch(backend, device, dtype):
+def run_batch(backend, device, dtype, window=0, softcap=0.0):
     """Two decodes (contexts 300 and 700) and a 40-token chunk after 480 cached tokens."""
     torch.manual_seed(0)
     shape = backend.kv_cache_shape(NBLOCKS, BS, NKV, HD)
@@ -86,10 +115,14 @@ def run_batch(backend, device, dtype):
     new_k = torch.cat([kk[c - n :] for kk, c, n in zip(keys, contexts, queries, strict=True)])
     new_v = torch.cat([vv[c - n :] for vv, c, n in zip(values, contexts, queries, strict=True)])
     k_cache.view(-1, NKV, HD)[torch.tensor(slots)] = 0  # the step must write them itself
-    out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, HD**-0.5)
+    out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, HD**-0.5, window, softcap)
     start, refs = 0, []
     for kk, vv, c, n in zip(keys, values, contexts, queries, strict=True):
-        refs.append(dense_reference(q[start : start + n].cpu(), kk.cpu(), vv.cpu(), c - n))
+        qs, kk, vv = q[start : start + n].cpu(), kk.cpu(), vv.cpu()
+        if window or softcap:
+            refs.append(windowed_reference(qs, kk, vv, c - n, window, softcap))
+        else:
+            refs.append(dense_reference(qs, kk, vv, c - n))
         start += n
     return out.float().cpu(), torch.cat(refs)
 
@@ -97,6 +130,14 @@ def run_batch(backend, device, dtype):
 def test_layout_and_metadata_match_dense_attention():
     backend = FlashAttentionBackend(BS, kernels=REFERENCE)
     out, ref = run_batch(backend, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_window_and_softcap_reach_the_kernels_as_documented():
+    """window_size=(window - 1, 0) is the promised window; softcap passes as is. The chunk's
+    first queries see keys before it (window 37 > 0), its last ones only the chunk."""
+    backend = FlashAttentionBackend(BS, kernels=REFERENCE)
+    out, ref = run_batch(backend, torch.device("cpu"), torch.float32, window=37, softcap=2.0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
