@@ -13,7 +13,7 @@ from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.parallel import TPGroup, check_divisible
 from app.models.source import ModelSource
 from app.models.weight_loading import expected_pieces, load_weights
-from app.models.weights import iter_weights
+from app.models.weights import iter_weights, patch_gguf_config
 from app.protocol.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ def load_hf_config(source: ModelSource) -> Any:
 
     try:
         if source.is_gguf:
-            return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+            config = AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+            return patch_gguf_config(config, source)  # what transformers' reader loses
         return AutoConfig.from_pretrained(str(source.directory))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(source.name, f"cannot read its config: {exc}") from exc

@@ -3,6 +3,7 @@
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -10,23 +11,6 @@ import torch
 from app.models.arch import ArchConfig
 from app.models.source import ModelSource
 from app.protocol.errors import ModelLoadError
-
-_GGUF_LAYER_PARTS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBALS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 
 
 def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,18 +51,43 @@ def iter_safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(source.name, f"corrupt weights in {path.name}: {exc}") from exc
 
 
-def iter_gguf(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def patch_gguf_config(hf_config: Any, source: ModelSource) -> Any:
+    """transformers' config of a GGUF file with what its reader loses put back from the
+    file's metadata (see gguf_names.patch_config)."""
+    from app.models.gguf_names import patch_config
+
+    return patch_config(hf_config, _gguf_reader(source), source.name)
+
+
+def _gguf_reader(source: ModelSource) -> Any:
     import gguf
 
     path = source.directory / str(source.gguf_file)
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises bare ValueErrors/struct errors on bad files
         raise ModelLoadError(source.name, f"corrupt GGUF file {path.name}: {exc}") from exc
-    # llama.cpp stores q/k rows permuted for its interleaved RoPE; Qwen2 files are not.
-    permuted = arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def iter_gguf(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under HF names, with llama.cpp's edits undone: q/k rows
+    un-permuted (its llama converter, for Llama, Mistral and Mixtral, is the one that
+    permutes them) and stacked experts split. Gemma's norms stay as stored: llama.cpp
+    stores them as 1 + w, as our decoder wants them."""
+    import gguf
+
+    from app.models.gguf_names import hf_name
+
+    reader = _gguf_reader(source)
+    gguf_arch = reader.fields["general.architecture"].contents()
+    permuted = gguf_arch == "llama"
     for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name)
+        try:
+            name = hf_name(tensor.name, gguf_arch)
+        except KeyError:
+            raise ModelLoadError(
+                source.name, f"unknown tensor {tensor.name} in a {gguf_arch!r} GGUF file"
+            ) from None
         if name is None:
             continue
         try:
@@ -90,17 +99,13 @@ def iter_gguf(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torc
             weights = _unpermute(weights, arch.num_heads)
         elif permuted and ".k_proj." in name:
             weights = _unpermute(weights, arch.num_kv_heads)
-        yield name, weights
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    base, _, kind = name.rpartition(".")  # kind: weight | bias
-    if base in _GGUF_GLOBALS:
-        return f"{_GGUF_GLOBALS[base]}.{kind}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_PARTS:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_PARTS[parts[2]]}.{kind}"
-    return None  # e.g. rope_freqs: recomputed from the config
+        if "{expert}" in name:  # (E, ...) -> one tensor per expert
+            for e, expert in enumerate(weights):
+                yield name.format(expert=e), expert
+        elif name.endswith("shared_expert_gate.weight"):
+            yield name, weights.reshape(1, -1)  # llama.cpp may store it as a vector
+        else:
+            yield name, weights
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
