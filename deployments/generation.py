@@ -8,6 +8,11 @@ anywhere after), the call is cancelled, and with it the request in the engine. A
 whose replica turns out dead before its first token is sent again (the router has
 dropped that replica by then), unless it names a context, which died with the replica.
 
+A reasoning model's output (given its `ReasoningFormat`) is split as it is read: the
+thinking goes aside (`OutputState.thinking`, `TextDelta.thinking`), and only the answer
+reaches the stop strings and `text`, so that tool-call parsing and every dialect's
+content see the answer alone; token counts are the whole output's.
+
 One failure, one type: a refusal before the first token and a failure after it are both
 a ShoalError (RemoteError for what the replica reported), which the error handler maps
 to the dialect's JSON and a stream body to the dialect's error event.
@@ -27,6 +32,7 @@ from app.protocol.errors import OverloadedError, RemoteError, ShoalError
 from app.protocol.messages import EngineErrorMessage, EngineRequest
 from app.protocol.outputs import TokenDelta, TokenLogprob
 from app.text.detokenizer import IncrementalDetokenizer
+from app.text.reasoning import ReasoningFormat, ReasoningStream
 from app.text.stop import StopStrings
 from deployments.metrics import TokenTimer
 
@@ -88,7 +94,10 @@ class OutputState:
     index: int
     detok: IncrementalDetokenizer
     stops: StopStrings
-    text: str = ""
+    reasoning: ReasoningStream | None = None  # a reasoning model's: splits the thinking
+    text: str = ""  # the answer (all of the output, unless it was split)
+    thinking: str = ""
+    reasoning_tokens: int = 0  # of num_tokens, those that came while it was thinking
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -97,14 +106,26 @@ class OutputState:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def reasoned(self) -> bool:
+        """Whether the output had a thinking block (perhaps empty)."""
+        return self.reasoning is not None and self.reasoning.reasoned
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """New output text as (thinking, answer so far, before stop strings)."""
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.feed(text, final)
+
 
 @dataclass
 class TextDelta:
     index: int
-    text: str
+    text: str  # the answer's new text
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     token_ids: tuple[int, ...] = ()
+    thinking: str = ""  # the thinking's new text (a reasoning model's)
 
 
 class Generation:
@@ -118,16 +139,23 @@ class Generation:
         stop: list[str],
         timer: TokenTimer,
         detok_prefix: list[int] | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         """`handle`: the model's streaming handle. `detok_prefix`: the tokens the text
-        continues (default: the prompt)."""
+        continues (default: the prompt). `reasoning`: how a reasoning model's output
+        splits into thinking and answer (None: all answer)."""
         self.request_id = request.request_id
         self.created = int(time.time())
         self.prompt_ids = request.prompt_token_ids
         self.params = request.params
         prefix = self.prompt_ids if detok_prefix is None else detok_prefix
         self.outputs = [
-            OutputState(i, IncrementalDetokenizer(tokenizer, prefix), StopStrings(stop))
+            OutputState(
+                i,
+                IncrementalDetokenizer(tokenizer, prefix),
+                StopStrings(stop),
+                None if reasoning is None else ReasoningStream(reasoning),
+            )
             for i in range(request.params.n)
         ]
         self._handle = handle
@@ -257,24 +285,32 @@ class Generation:
 
     @staticmethod
     def _advance(out: OutputState, item: TokenDelta) -> TextDelta | None:
-        """Feed one delta through the detokenizer and stop strings."""
-        text = out.stops.feed(out.detok.add(item.token_ids))
+        """Feed one delta through the detokenizer, the reasoning split and the stop
+        strings (which see the answer only)."""
+        was_inside = out.reasoning is not None and out.reasoning.state != "after"
+        thinking, answer = out.split(out.detok.add(item.token_ids), final=False)
+        text = out.stops.feed(answer)
         lps = list(item.logprobs or ())
         out.logprobs.extend(lps)
         reason = None
         if out.stops.stopped:
             reason = "stop"
         elif item.finish_reason is not None:
-            text += out.stops.feed(out.detok.flush())
+            more, answer = out.split(out.detok.flush(), final=True)
+            thinking += more
+            text += out.stops.feed(answer)
             text += out.stops.flush()
             reason = "stop" if out.stops.stopped else item.finish_reason.value
             if reason == "abort":
                 reason = "stop"
+        if was_inside and (out.reasoned or thinking):
+            out.reasoning_tokens += len(item.token_ids)
         out.text += text
+        out.thinking += thinking
         if reason is not None:
             out.finish_reason = reason
-        if text or reason or lps:
-            return TextDelta(out.index, text, lps, reason, item.token_ids)
+        if text or thinking or reason or lps:
+            return TextDelta(out.index, text, lps, reason, item.token_ids, thinking)
         return None
 
     def _arrived(self, item: TokenDelta) -> None:

@@ -19,9 +19,10 @@ from ray.serve.exceptions import BackPressureError
 from app.models.source import resolve_model
 from app.models.tokenizer import load_tokenizer, tools_template
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.messages import ContextOp, EngineRequest, PromptEnding
+from app.protocol.messages import ContextOp, EngineRequest, PromptEnding, TemplateArgs
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
+from app.text.reasoning import REASONING_FORMATS, ReasoningFormat, template_format
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
 from deployments.generation import Generation, overloaded
@@ -29,6 +30,8 @@ from deployments.metrics import IngressMetrics, TokenTimer
 from deployments.request_guard import Admission
 
 logger = logging.getLogger("ray.serve")
+# Enough of the prompt's end to find a thinking block its template or prefill opened.
+PROMPT_TAIL_TOKENS = 256
 
 
 class UnknownModelError(ShoalError):
@@ -71,7 +74,8 @@ class Ingress:
         self._streams = {name: h.options(stream=True) for name, h in models.items()}
         self._calls = models
         self.tokenizers = {
-            m.name: load_tokenizer(resolve_model(m.engine.model)) for m in config.models
+            m.name: load_tokenizer(resolve_model(m.engine.model), m.chat_template)
+            for m in config.models
         }
         self._info: dict[str, EngineInfo] = {}
         self.created = int(time.time())
@@ -131,7 +135,9 @@ class Ingress:
     async def add_model(self, config: ModelDeploymentConfig, handle: Any) -> None:
         """Serve a model started at run time (its tokenizer is loaded first, off the loop)."""
         source = await asyncio.to_thread(resolve_model, config.engine.model)
-        self.tokenizers[config.name] = await asyncio.to_thread(load_tokenizer, source)
+        self.tokenizers[config.name] = await asyncio.to_thread(
+            load_tokenizer, source, config.chat_template
+        )
         self._calls[config.name] = handle
         self._streams[config.name] = handle.options(stream=True)
         self._info.pop(config.name, None)
@@ -165,15 +171,23 @@ class Ingress:
         tag: str,
         context: ContextOp | None = None,
         detok_prefix: list[int] | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> Generation:
         """Start a generation and wait for its first token; a refusal raises (ShoalError).
         `tag` (the HTTP request id) starts the engine's request id, so every hop's logs
-        share it; the suffix keeps it unique when a client reuses an id."""
+        share it; the suffix keeps it unique when a client reuses an id. `reasoning`:
+        how the output splits into thinking and answer (see `reasoning`)."""
         self.model(model)
         request = EngineRequest(f"{tag}.{uuid.uuid4().hex[:8]}", list(prompt_ids), params, context)
         timer = TokenTimer(self.metrics, model, len(prompt_ids))
         gen = Generation(
-            self._streams[model], self.tokenizers[model], request, stop, timer, detok_prefix
+            self._streams[model],
+            self.tokenizers[model],
+            request,
+            stop,
+            timer,
+            detok_prefix,
+            reasoning,
         )
         await gen.start()
         return gen
@@ -209,12 +223,15 @@ class Ingress:
         messages: list[dict[str, Any]],
         tools: list[dict] | None = None,
         ending: PromptEnding = "reply",
+        args: TemplateArgs | None = None,
     ) -> list[int]:
-        """The prompt's ids under the model's chat template, ending as `ending` says
-        (app/models/tokenizer.py)."""
+        """The prompt's ids under the model's chat template (or the request's own, with
+        its variables: `args`), ending as `ending` says (app/models/tokenizer.py)."""
         source = self.model(model).engine.model
         try:
-            return await self.tokenizer.encode_chat.remote(model, messages, source, tools, ending)
+            return await self.tokenizer.encode_chat.remote(
+                model, messages, source, tools, ending, args
+            )
         except Exception as exc:
             raise unwrap(exc) from None
 
@@ -224,19 +241,52 @@ class Ingress:
         messages: list[dict[str, Any]],
         tools: list[dict] | None = None,
         ending: PromptEnding = "reply",
+        args: TemplateArgs | None = None,
     ) -> str:
         """The text of the prompt `encode_chat` encodes."""
         source = self.model(model).engine.model
         try:
-            return await self.tokenizer.chat_prompt.remote(model, messages, source, tools, ending)
+            return await self.tokenizer.chat_prompt.remote(
+                model, messages, source, tools, ending, args
+            )
         except Exception as exc:
             raise unwrap(exc) from None
 
-    def tool_format(self, model: str) -> ToolFormat | None:
-        """The tool-call syntax of the template that renders this model's tools; None
-        when no template does (a request with tools is then a 400)."""
-        template = tools_template(self.tokenizers[model])
+    def tool_format(self, model: str, args: TemplateArgs | None = None) -> ToolFormat | None:
+        """The tool-call syntax of the template that renders this model's tools (the
+        request's own template, when it brings one); None when no template does (a
+        request with tools is then a 400)."""
+        template = args.template if args is not None else None
+        if template is None:
+            template = tools_template(self.tokenizers[model])
         return None if template is None else tool_format(template)
+
+    def reasoning_format(
+        self, model: str, args: TemplateArgs | None = None
+    ) -> ReasoningFormat | None:
+        """The model's reasoning markers (its `reasoning_parser`; auto: as its chat
+        template, or the request's own, shows them), or None: it does not reason."""
+        parser = self.model(model).reasoning_parser
+        if parser == "none":
+            return None
+        if parser != "auto":
+            return REASONING_FORMATS[parser]
+        template = args.template if args is not None else None
+        if template is None:
+            own = getattr(self.tokenizers[model], "chat_template", None)
+            template = own if isinstance(own, str | None) else " ".join(own.values())
+        return template_format(template)
+
+    def reasoning(
+        self, model: str, prompt_ids: list[int], args: TemplateArgs | None = None
+    ) -> ReasoningFormat | None:
+        """How this request's output splits: the model's markers, starting inside the
+        thinking when the prompt's end opened a block (see ReasoningFormat.for_prompt)."""
+        fmt = self.reasoning_format(model, args)
+        if fmt is None:
+            return None
+        tail = self.tokenizers[model].decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        return fmt.for_prompt(tail)
 
 
 def ingress_of(request: Request) -> Ingress:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.llamacpp import prompt_object_text
-from app.protocol.messages import PromptEnding
+from app.protocol.messages import PromptEnding, TemplateArgs
 from app.protocol.openai_structured import StructuredFields, ToolFields, drop_inert
 from app.protocol.sampling import (
     MAX_LOGIT_BIAS,
@@ -44,8 +44,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "dimensions": (None,),
 }
 NOT_SUPPORTED = "is not supported by this server"
@@ -195,6 +193,10 @@ class ChatCompletionRequest(ToolFields, _Common):
     # llama.cpp's slot to run in, for its cache: accepted (in range); any of Shoal's
     # sequences reuses any cached prefix, so the slot changes nothing.
     id_slot: int = -1
+    # vLLM's: the request's own Jinja template (rendered sandboxed and bounded), and more
+    # variables for the template (e.g. enable_thinking).
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _prefill(self) -> "ChatCompletionRequest":
@@ -218,6 +220,9 @@ class ChatCompletionRequest(ToolFields, _Common):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
+
+    def template_args(self) -> TemplateArgs | None:
+        return TemplateArgs.checked(self.chat_template, self.chat_template_kwargs)
 
 
 EmbeddingPiece = int | str  # a token id of the embedding model's vocabulary, or text

@@ -37,7 +37,8 @@ async def apply_template(req: ChatCompletionRequest, ingress: IngressDep) -> dic
     """The prompt /v1/chat/completions would feed the model, as text."""
     name = ingress.served_name(req.model)
     messages, tools = req.template_messages(), req.template_tools()
-    prompt = await ingress.chat_prompt(name, messages, tools, req.prompt_ending)
+    args = req.template_args()
+    prompt = await ingress.chat_prompt(name, messages, tools, req.prompt_ending, args)
     return {"prompt": prompt}
 
 

@@ -169,12 +169,16 @@ def fingerprint(model: str) -> str:
 
 def usage_of(gen: Generation) -> dict:
     prompt = len(gen.prompt_ids)
-    return {
+    usage = {
         "prompt_tokens": prompt,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": prompt + gen.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
+    if any(o.reasoning is not None for o in gen.outputs):  # of completion_tokens
+        reasoning = sum(o.reasoning_tokens for o in gen.outputs)
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
 
 
 def token_text(ingress: Ingress, model: str, token_id: int) -> str:

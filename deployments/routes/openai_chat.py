@@ -1,15 +1,19 @@
 """OpenAI's /v1/chat/completions (and /chat/completions): messages through the chat
-template, tools, structured outputs, and the assistant's message or its stream of deltas
-with tool calls read out of the text."""
+template (the model's, or the request's own with its variables), tools, structured
+outputs, and the assistant's message or its stream of deltas with tool calls read out
+of the text. A reasoning model's thinking comes apart from its answer, as vLLM sends it:
+`reasoning_content` beside `content`, whole and in deltas; calls, structured outputs
+and stop strings apply to the answer."""
 
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 
 from app.protocol.openai import ChatCompletionRequest, sampling_params
+from app.text.reasoning_grammar import thinking_first
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
-from deployments.generation import Generation, TextDelta
+from deployments.generation import Generation, OutputState, TextDelta
 from deployments.ingress import Ingress, IngressDep, RequestTag
 from deployments.routes.llamacpp import check_slot
 from deployments.routes.openai import WIRE, response_head, token_text, usage_of
@@ -21,24 +25,28 @@ router = APIRouter()
 async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     req.model = ingress.served_name(req.model)
     check_slot(ingress, req.model, req.id_slot, allow_any=True)
+    args = req.template_args()
     ids = await ingress.encode_chat(
-        req.model, req.template_messages(), req.template_tools(), req.prompt_ending
+        req.model, req.template_messages(), req.template_tools(), req.prompt_ending, args
     )
     # With tools, the output is read for calls in the syntax the model was shown, under
     # their grammar; response_format wins over it, except where a call is forced.
-    fmt = ingress.tool_format(req.model) if req.uses_tools else None
+    fmt = ingress.tool_format(req.model, args) if req.uses_tools else None
     constraint = req.output_constraint()
     if fmt is not None and (req.forces_call or constraint is None):
         constraint = req.tool_constraint(fmt)
+    reasoning = ingress.reasoning(req.model, ids, args)
+    if reasoning is not None and constraint is not None:
+        constraint = thinking_first(reasoning, constraint)
     num_lp = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, ingress.config.max_tokens_default, num_lp, constraint)
-    gen = await ingress.generate(req.model, ids, params, req.stop_strings, tag)
+    gen = await ingress.generate(req.model, ids, params, req.stop_strings, tag, reasoning=reasoning)
     if req.stream:
         return stream(gen, _chat_chunks(ingress, req, gen, fmt), WIRE)
     await gen.drain()
     choices = []
     for out in gen.outputs:
-        message, reason = _chat_message(out.text, out.finish_reason, fmt)
+        message, reason = _chat_message(out, fmt)
         choice = {
             "index": out.index,
             "message": message,
@@ -71,14 +79,17 @@ def _chat_logprobs(ingress: Ingress, model: str, lps: list) -> list[dict]:
     return out
 
 
-def _chat_message(
-    text: str, finish_reason: str | None, fmt: ToolFormat | None
-) -> tuple[dict, str | None]:
-    """A finished output as an assistant message, with its tool calls read out."""
+def _chat_message(out: OutputState, fmt: ToolFormat | None) -> tuple[dict, str | None]:
+    """A finished output as an assistant message, with its thinking apart and its tool
+    calls read out of its answer."""
+    finish_reason = out.finish_reason
+    message: dict = {"role": "assistant", "content": out.text}
+    if out.reasoned:
+        message["reasoning_content"] = out.thinking
     if fmt is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = whole_output(fmt, text)
-    message: dict = {"role": "assistant", "content": content}
+        return message, finish_reason
+    content, calls = whole_output(fmt, out.text)
+    message["content"] = content
     if calls:
         message["tool_calls"] = [
             {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -125,8 +136,10 @@ def _chat_delta(
             delta["tool_calls"] = [_call_fragment(f) for f in fragments]
         if calls.has_calls and reason == "stop":
             reason = "tool_calls"
-        if not delta and reason is None and not (req.logprobs and d.logprobs):
-            return None  # held back: it may be the start of a call
+    if d.thinking:
+        delta = {"reasoning_content": d.thinking, **delta}
+    if not delta and reason is None and not (req.logprobs and d.logprobs):
+        return None  # held back: it may be the start of a call, or of a marker
     choice = {
         "index": d.index,
         "delta": delta,
