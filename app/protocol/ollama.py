@@ -1,8 +1,8 @@
 """Ollama's request schemas and their mapping onto neutral SamplingParams.
 
 Lenient where Ollama is (unknown fields and runtime options are ignored), strict on what
-we cannot honour: `think`, `images` and `suffix` are refused by the routes rather than
-silently ignored. `format` ("json" or a JSON schema) constrains the output; `tools` are
+we cannot honour: `images` and `suffix` are refused by the routes rather than silently
+ignored. `think` reaches the chat template as `enable_thinking`. `format` ("json" or a JSON schema) constrains the output; `tools` are
 OpenAI-shaped, and calls come back in `message.tool_calls` with arguments as objects.
 """
 
@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError
+from app.protocol.messages import TemplateArgs
 from app.protocol.openai_structured import ToolDef
 from app.protocol.sampling import (
     MAX_CONSTRAINT_CHARS,
@@ -22,6 +23,8 @@ from app.protocol.sampling import (
 )
 from app.text.go_template import MAX_TEMPLATE_BYTES
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+
+THINK_LEVELS = ("low", "medium", "high")
 
 
 class OllamaOptions(BaseModel):
@@ -77,13 +80,19 @@ class OllamaRequest(BaseModel):
     format: str | dict | None = None  # "json", or a JSON schema the output must match
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     keep_alive: str | int | float | None = None
-    think: bool | str | None = None  # reasoning output: not served yet
+    think: bool | str | None = None  # None: as the model's template does by default
 
-    def refuse_unserved(self) -> None:
-        if self.think:
-            raise InvalidRequestError(
-                "think (reasoning output) is not supported by this server", "think"
-            )
+    def template_args(self) -> TemplateArgs | None:
+        """`think` as templates read it: `enable_thinking`, and a level as
+        `reasoning_effort` (gpt-oss's template reads it)."""
+        if self.think is None:
+            return None
+        if isinstance(self.think, bool):
+            return TemplateArgs(variables={"enable_thinking": self.think})
+        if self.think not in THINK_LEVELS:
+            levels = ", ".join(f'"{t}"' for t in THINK_LEVELS)
+            raise InvalidRequestError(f"think must be true, false or one of {levels}", "think")
+        return TemplateArgs(variables={"enable_thinking": True, "reasoning_effort": self.think})
 
     def constraint(self) -> Constraint | None:
         if self.format in (None, ""):

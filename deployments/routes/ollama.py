@@ -5,15 +5,14 @@ Errors come back as {"error": "..."} (see deployments.errors). Durations are
 nanoseconds, as Ollama reports them.
 """
 
-import json
 import time
-from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
+from app.protocol.messages import TemplateArgs
 from app.protocol.ollama import (
     OllamaChatRequest,
     OllamaEmbedRequest,
@@ -24,12 +23,14 @@ from app.protocol.ollama import (
 )
 from app.protocol.sampling import Constraint, SamplingParams
 from app.text.go_template import TemplateError, render
-from app.text.tool_calls import ParsedCall, ToolFormat, call_grammar
-from app.text.tool_stream import ToolCallStream, whole_output
+from app.text.reasoning import ReasoningFormat
+from app.text.reasoning_grammar import thinking_first
+from app.text.tool_calls import call_grammar
 from deployments.errors import error_shape
 from deployments.generation import Generation
 from deployments.ingress import Ingress, IngressDep, RequestTag, unwrap
-from deployments.streaming import ndjson, stream
+from deployments.ollama_replies import respond
+from deployments.streaming import ndjson
 
 OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
 
@@ -90,7 +91,11 @@ async def show(req: OllamaShowRequest, ingress: IngressDep) -> dict:
         "template": getattr(ingress.tokenizers[name], "chat_template", None) or "",
         "details": _entry(ingress, name)["details"],
         "model_info": {"general.architecture": "llama", "context_length": info.max_model_len},
-        "capabilities": ["completion", *(["tools"] if ingress.tool_format(name) else [])],
+        "capabilities": [
+            "completion",
+            *(["tools"] if ingress.tool_format(name) else []),
+            *(["thinking"] if ingress.reasoning_format(name) else []),
+        ],
     }
 
 
@@ -100,7 +105,7 @@ async def generate(req: OllamaGenerateRequest, ingress: IngressDep, tag: Request
     name = _model_name(ingress, req.model, "generate")
     if req.images or req.suffix:
         raise InvalidRequestError("images and suffix are not supported by this server")
-    params = await _params(ingress, name, req)
+    args = _think(ingress, name, req)
     if req.raw or req.template:
         text = req.prompt
         if not req.raw:
@@ -108,17 +113,22 @@ async def generate(req: OllamaGenerateRequest, ingress: IngressDep, tag: Request
         ids = await ingress.encode(name, text, False)
     else:
         system = [{"role": "system", "content": req.system}] if req.system else []
-        ids = await ingress.encode_chat(name, [*system, {"role": "user", "content": req.prompt}])
+        messages = [*system, {"role": "user", "content": req.prompt}]
+        ids = await ingress.encode_chat(name, messages, None, "reply", args)
     ids = list(req.context or []) + list(ids)
-    gen = await ingress.generate(name, ids, params, req.options.stop_strings, tag)
+    reasoning = ingress.reasoning(name, ids, args)
+    params = await _params(ingress, name, req, reasoning)
+    stops = req.options.stop_strings
+    gen = await ingress.generate(name, ids, params, stops, tag, reasoning=reasoning)
 
-    def piece(text: str) -> dict:
-        return {"model": req.model, "created_at": _now(), "response": text, "done": False}
+    def piece(text: str, thinking: str = "", calls: list | None = None) -> dict:
+        chunk = {"model": req.model, "created_at": _now(), "response": text, "done": False}
+        return {**chunk, "thinking": thinking} if thinking else chunk
 
     def final() -> dict:
         return {**piece(""), **_done(gen, started), "context": ids + gen.outputs[0].token_ids}
 
-    return await _respond(gen, req.stream, piece, final)
+    return await respond(gen, req.stream, None, piece, final, WIRE)
 
 
 @router.post("/api/chat")
@@ -137,21 +147,24 @@ async def chat(req: OllamaChatRequest, ingress: IngressDep, tag: RequestTag):  #
     if fmt is not None:
         functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
         calls = Constraint(kind="lark", spec=call_grammar(fmt, functions, True, optional=True))
-    params = await _params(ingress, name, req, calls)
+    args = _think(ingress, name, req)
     messages = [m.template_message() for m in req.messages]
-    ids = await ingress.encode_chat(name, messages, tools)
-    gen = await ingress.generate(name, ids, params, req.options.stop_strings, tag)
+    ids = await ingress.encode_chat(name, messages, tools, "reply", args)
+    reasoning = ingress.reasoning(name, ids, args)
+    params = await _params(ingress, name, req, reasoning, calls)
+    stops = req.options.stop_strings
+    gen = await ingress.generate(name, ids, params, stops, tag, reasoning=reasoning)
 
-    def piece(text: str, calls: list | None = None) -> dict:
+    def piece(text: str, thinking: str = "", calls: list | None = None) -> dict:
         message: dict = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = calls
         return {"model": req.model, "created_at": _now(), "message": message, "done": False}
 
     final = lambda: {**piece(""), **_done(gen, started)}  # noqa: E731
-    if fmt is not None:
-        return await _respond_with_calls(gen, req.stream, fmt, piece, final)
-    return await _respond(gen, req.stream, piece, final)
+    return await respond(gen, req.stream, fmt, piece, final, WIRE)
 
 
 @router.post("/api/embed")
@@ -214,11 +227,23 @@ def _entry(ingress: Ingress, name: str) -> dict:
     }
 
 
+def _think(ingress: Ingress, name: str, req: OllamaRequest) -> TemplateArgs | None:
+    """`think` for the template (enable_thinking); asking a model that does not reason
+    to think is refused, as Ollama does."""
+    if req.think not in (None, False) and ingress.reasoning_format(name) is None:
+        raise InvalidRequestError(f'"{req.model}" does not support thinking', "think")
+    return req.template_args()
+
+
 async def _params(
-    ingress: Ingress, name: str, req: OllamaRequest, fallback: Constraint | None = None
+    ingress: Ingress,
+    name: str,
+    req: OllamaRequest,
+    reasoning: ReasoningFormat | None,
+    fallback: Constraint | None = None,
 ) -> SamplingParams:
-    """`fallback`: the output's constraint when `format` asks for none."""
-    req.refuse_unserved()
+    """`fallback`: the output's constraint when `format` asks for none; either applies
+    to the answer, after any thinking."""
     num_ctx = req.options.num_ctx
     if num_ctx is not None:
         limit = (await ingress.info(name)).max_model_len
@@ -228,6 +253,8 @@ async def _params(
                 "options.num_ctx",
             )
     constraint = req.constraint() or fallback
+    if constraint is not None and reasoning is not None:
+        constraint = thinking_first(reasoning, constraint)
     return req.options.sampling(ingress.config.max_tokens_default, constraint)
 
 
@@ -258,55 +285,6 @@ def _done(gen: Generation, started: float) -> dict:
         "eval_count": out.num_tokens,
         "eval_duration": _ns(max(now - started - prompt_s, 0.0)),
     }
-
-
-async def _respond(
-    gen: Generation, streamed: bool, piece: Callable[[str], dict], final: Callable[[], dict]
-):  # noqa: ANN202
-    if not streamed:
-        await gen.drain()
-        whole = piece(gen.outputs[0].text)  # the text goes in the final object
-        return {**final(), **{k: whole[k] for k in ("response", "message") if k in whole}}
-
-    async def chunks() -> AsyncIterator[dict]:
-        async for d in gen.deltas():
-            if d.text:
-                yield piece(d.text)
-        yield final()
-
-    return stream(gen, chunks(), WIRE)
-
-
-async def _respond_with_calls(
-    gen: Generation, streamed: bool, fmt: ToolFormat, piece: Callable, final: Callable
-):  # noqa: ANN202
-    """Like _respond, with the model's tool calls read out of its text; Ollama sends a
-    call whole, in the chunk where it completes."""
-    if not streamed:
-        await gen.drain()
-        content, calls = whole_output(fmt, gen.outputs[0].text)
-        whole = piece(content or "", [_ollama_call(c) for _, c in calls])
-        return {**final(), "message": whole["message"]}
-
-    async def chunks() -> AsyncIterator[dict]:
-        calls, sent = ToolCallStream(fmt), 0
-        async for d in gen.deltas():
-            content, _ = calls.feed(d.text, final=d.finish_reason is not None)
-            done = calls.complete_calls()
-            if content or len(done) > sent:
-                yield piece(content, [_ollama_call(c) for _, c in done[sent:]])
-                sent = len(done)
-        yield final()
-
-    return stream(gen, chunks(), WIRE)
-
-
-def _ollama_call(call: ParsedCall) -> dict:
-    try:
-        arguments = json.loads(call.arguments or "{}")
-    except json.JSONDecodeError:
-        arguments = {}  # cut off mid-call (num_predict): Ollama's arguments are an object
-    return {"function": {"name": call.name, "arguments": arguments}}
 
 
 async def _embed(

@@ -26,8 +26,18 @@ def test_ollama_refuses_what_it_cannot_honour():
     with pytest.raises(InvalidRequestError) as bad:
         OllamaChatRequest(model="m", format="xml").constraint()
     assert bad.value.param == "format"
-    with pytest.raises(InvalidRequestError):
-        OllamaChatRequest(model="m", think=True).refuse_unserved()
+    # think reaches the template as enable_thinking (a level as reasoning_effort too).
+    assert OllamaChatRequest(model="m").template_args() is None
+    assert OllamaChatRequest(model="m", think=False).template_args().variables == {
+        "enable_thinking": False
+    }
+    assert OllamaChatRequest(model="m", think="high").template_args().variables == {
+        "enable_thinking": True,
+        "reasoning_effort": "high",
+    }
+    with pytest.raises(InvalidRequestError) as level:
+        OllamaChatRequest(model="m", think="max").template_args()
+    assert level.value.param == "think"
 
 
 def test_llamacpp_fields_map_onto_sampling():
