@@ -3,9 +3,10 @@ messages, tools and neutral SamplingParams.
 
 Strict like the OpenAI schemas: an unknown field is a 400 naming it, and a content block
 this server cannot honour (images, documents) is a 400 that says so. A last
-assistant message is a prefill: the reply continues it. `thinking` is accepted: the
-models served here do not reason before answering, so a reply has no thinking blocks;
-thinking blocks of earlier turns reach the chat template as `reasoning_content`.
+assistant message is a prefill: the reply continues it. `thinking` reaches the chat
+template as `enable_thinking` (enabled: true, disabled: false, adaptive: the template's
+default); a reasoning model's thinking comes back as thinking blocks, and thinking
+blocks of earlier turns reach the template as `reasoning_content`.
 """
 
 import json
@@ -14,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.messages import PromptEnding
+from app.protocol.messages import PromptEnding, TemplateArgs
 from app.protocol.openai_structured import (
     MAX_TOOLS,
     FunctionDef,
@@ -86,7 +87,8 @@ class OutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: OutputFormat | None = None
-    # How hard a reasoning model thinks: the models served here do not reason first.
+    # How hard a reasoning model thinks: accepted; the templates served here take no
+    # level, only whether to think (`thinking`).
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
@@ -125,6 +127,13 @@ class CountTokensRequest(BaseModel):
         if last.role == "assistant" and all(b.get("type") == "text" for b in last.blocks()):
             return "continue"
         return "reply"
+
+    def template_args(self) -> TemplateArgs | None:
+        """`thinking` as templates read it (Qwen3's and the like: `enable_thinking`)."""
+        kind = self.thinking.type if self.thinking is not None else "adaptive"
+        if kind == "adaptive":
+            return None
+        return TemplateArgs(variables={"enable_thinking": kind == "enabled"})
 
     def tool_fields(self) -> ToolFields:
         """The tools and choice as the OpenAI tool machinery takes them."""

@@ -5,7 +5,9 @@ Anthropic's shape, {"type": "error", "error": {"type", "message"}}; the key may 
 
 The conversation goes through the model's chat template like an OpenAI chat, tools
 through the same call grammar and parser: `tool_choice` any is OpenAI's required, tool
-is a named function. A last assistant message is a prefill the reply continues.
+is a named function. A last assistant message is a prefill the reply continues. A
+reasoning model's thinking comes first, as a thinking block (signed with an empty
+signature: there is nothing to verify it against here), then the answer's blocks.
 """
 
 import json
@@ -16,7 +18,9 @@ from fastapi import APIRouter
 
 from app.protocol.anthropic import CountTokensRequest, MessagesRequest
 from app.protocol.errors import ShoalError
+from app.protocol.messages import TemplateArgs
 from app.protocol.openai_structured import ToolFields
+from app.text.reasoning_grammar import thinking_first
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
 from deployments.errors import error_shape
@@ -49,20 +53,24 @@ router = APIRouter()
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, ingress: IngressDep) -> dict:
     """The prompt tokens the same request to /v1/messages would feed the model."""
-    _, ids, _ = await _prompt(ingress, req)
+    _, ids, _, _ = await _prompt(ingress, req)
     return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
 async def messages(req: MessagesRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    name, ids, tools = await _prompt(ingress, req)
+    name, ids, tools, args = await _prompt(ingress, req)
     fmt = ingress.tool_format(name) if tools.uses_tools else None
     # As on OpenAI's route: an output format wins over the tools' grammar unless a call
-    # is forced.
+    # is forced; either applies to the answer, after any thinking.
     constraint = req.output_constraint()
     if fmt is not None and (tools.forces_call or constraint is None):
         constraint = tools.tool_constraint(fmt)
-    gen = await ingress.generate(name, ids, req.params(constraint), req.stop_strings, tag)
+    reasoning = ingress.reasoning(name, ids, args)
+    if reasoning is not None and constraint is not None:
+        constraint = thinking_first(reasoning, constraint)
+    params = req.params(constraint)
+    gen = await ingress.generate(name, ids, params, req.stop_strings, tag, reasoning=reasoning)
     head = {
         "id": f"msg_{gen.request_id}",
         "type": "message",
@@ -84,12 +92,15 @@ async def messages(req: MessagesRequest, ingress: IngressDep, tag: RequestTag): 
     }
 
 
-async def _prompt(ingress: Ingress, req: CountTokensRequest) -> tuple[str, list[int], ToolFields]:
+async def _prompt(
+    ingress: Ingress, req: CountTokensRequest
+) -> tuple[str, list[int], ToolFields, TemplateArgs | None]:
     name = ingress.served_name(req.model)
-    tools = req.tool_fields()
+    tools, args = req.tool_fields(), req.template_args()
     messages = req.template_messages()
-    ids = await ingress.encode_chat(name, messages, tools.template_tools(), req.prompt_ending)
-    return name, ids, tools
+    ending = req.prompt_ending
+    ids = await ingress.encode_chat(name, messages, tools.template_tools(), ending, args)
+    return name, ids, tools, args
 
 
 def _input_usage(gen: Generation) -> dict[str, int]:
@@ -106,11 +117,11 @@ def _tool_id(call_id: str) -> str:
 
 
 def _content(out: OutputState, fmt: ToolFormat | None) -> tuple[list[dict], bool]:
-    if fmt is None:
-        return [{"type": "text", "text": out.text}], False
-    text, calls = whole_output(fmt, out.text)
     blocks: list[dict[str, Any]] = []
-    if text or not calls:
+    if out.reasoned:
+        blocks.append({"type": "thinking", "thinking": out.thinking, "signature": ""})
+    text, calls = (out.text, []) if fmt is None else whole_output(fmt, out.text)
+    if text or not (calls or blocks):  # cut off while thinking: no answer block, as streamed
         blocks.append({"type": "text", "text": text or ""})
     for call_id, call in calls:
         try:
@@ -133,8 +144,9 @@ def _stop(out: OutputState, has_calls: bool) -> tuple[str, str | None]:
 
 
 class _Blocks:
-    """The content blocks of a stream: a text block opened by the first text, a tool_use
-    block by each call's first fragment; opening one closes the one before."""
+    """The content blocks of a stream: a thinking block opened by the first thinking, a
+    text block by the first text, a tool_use block by each call's first fragment;
+    opening one closes the one before (a thinking block with its signature)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -151,9 +163,12 @@ class _Blocks:
     def stop(self) -> list[dict]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":
+            events.append(self.delta({"type": "signature_delta", "signature": ""}))
         self.open = None
         self.count += 1
-        return [{"type": "content_block_stop", "index": self.count - 1}]
+        return [*events, {"type": "content_block_stop", "index": self.count - 1}]
 
     def delta(self, delta: dict) -> dict:
         return {"type": "content_block_delta", "index": self.count, "delta": delta}
@@ -167,6 +182,12 @@ async def _events(gen: Generation, head: dict, fmt: ToolFormat | None) -> AsyncI
     calls = ToolCallStream(fmt) if fmt is not None else None
     out = gen.outputs[0]
     async for d in gen.deltas():
+        if d.thinking:
+            if blocks.open != "thinking":
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                for event in blocks.start("thinking", block):
+                    yield event
+            yield blocks.delta({"type": "thinking_delta", "thinking": d.thinking})
         text, fragments = d.text, []
         if calls is not None:
             text, fragments = calls.feed(d.text, final=d.finish_reason is not None)
