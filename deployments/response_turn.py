@@ -1,5 +1,6 @@
 """A response being made (OpenAI's Responses API): its Response object, its stored
-entry, and its output items (assistant text and function calls) built from the text."""
+entry, and its output items (a reasoning model's thinking, assistant text and function
+calls) built from the output."""
 
 import json
 import uuid
@@ -9,7 +10,7 @@ from typing import Any
 from app.protocol.responses import ResponsesRequest
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import whole_output
-from deployments.generation import Generation
+from deployments.generation import Generation, OutputState
 from deployments.response_store import ResponseStore, StoredResponse
 
 
@@ -32,13 +33,14 @@ class Turn:
         usage = None
         if gen is not None:
             out = gen.outputs[0].num_tokens
+            reasoning = gen.outputs[0].reasoning_tokens
             # A context's held tokens count as cached in the engine's report too.
             cached = max(self.reused, gen.cached_tokens)
             usage = {
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": out,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": self.prompt_tokens + out,
             }
         choice = req.tool_choice
@@ -101,6 +103,18 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
     }
 
 
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """The thinking, as OpenAI's reasoning item carries a model's own reasoning text (its
+    `content`; there is no summary of it here)."""
+    return {
+        "type": "reasoning",
+        "id": item_id or f"rs_{uuid.uuid4().hex}",
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {
         "type": "function_call",
@@ -112,19 +126,24 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
     }
 
 
-def output_items(text: str, fmt: ToolFormat | None) -> list[dict]:
-    """A finished output as Responses output items: its text, then its calls."""
-    if fmt is None:
-        return [message_item(text)]
-    content, calls = whole_output(fmt, text)
-    items = [message_item(content)] if content or not calls else []
+def output_items(out: OutputState, fmt: ToolFormat | None) -> list[dict]:
+    """A finished output as Responses output items: its thinking, its text, then its
+    calls (an output cut off while thinking has no message)."""
+    items = [reasoning_item(out.thinking)] if out.reasoned else []
+    content, calls = (out.text, []) if fmt is None else whole_output(fmt, out.text)
+    if content or not (calls or items):
+        items.append(message_item(content))
     return items + [call_item(i, c.name, c.arguments) for i, c in calls]
 
 
 def assistant_message(output: list[dict]) -> dict[str, Any]:
-    """The output as the chat template renders it in the next turn's prompt."""
+    """The output as the chat template renders it in the next turn's prompt (the
+    template decides whether to show the thinking)."""
     text = "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"])
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    thoughts = [c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]]
+    if thoughts:
+        message["reasoning_content"] = "".join(thoughts)
     calls = [i for i in output if i["type"] == "function_call"]
     if calls:
         message["tool_calls"] = [

@@ -1,6 +1,6 @@
 """A response streamed as the Responses API's typed events, numbered in order:
-response.created, response.in_progress, then per output item (the assistant's text, each
-function call) its added / delta / done events, then response.completed (or
+response.created, response.in_progress, then per output item (a reasoning model's
+thinking, the assistant's text, each function call) its added / delta / done events, then response.completed (or
 response.incomplete, cut by max_output_tokens). A failure after the first token ends the
 stream with an `error` event."""
 
@@ -11,7 +11,7 @@ from app.protocol.errors import ShoalError
 from app.text.tool_stream import CallFragment, ToolCallStream
 from deployments.generation import Generation
 from deployments.response_store import ResponseStore
-from deployments.response_turn import Turn, call_item, message_item
+from deployments.response_turn import Turn, call_item, message_item, reasoning_item
 
 
 def error_event(exc: ShoalError) -> dict:
@@ -24,11 +24,24 @@ class _Items:
     def __init__(self) -> None:
         self.done: list[dict] = []
         self.open: dict | None = None  # the item being streamed
-        self.text = ""  # the open message's text
+        self.text = ""  # the open message's (or reasoning item's) text
 
     @property
     def index(self) -> int:
         return len(self.done)
+
+    def thinking_delta(self, piece: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self.close()
+            self.open, self.text = reasoning_item("", "in_progress"), ""
+            part = {"type": "reasoning_text", "text": ""}
+            item = {**self.open, "content": []}
+            events.append(self._at({"type": "response.output_item.added", "item": item}))
+            events.append(self._part("response.content_part.added", part))
+        self.text += piece
+        events.append(self._part("response.reasoning_text.delta", None, delta=piece))
+        return events
 
     def text_delta(self, piece: str) -> list[dict]:
         events = []
@@ -67,7 +80,12 @@ class _Items:
         if item is None:
             return []
         events = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            item = reasoning_item(self.text, "completed", item["id"])
+            part = item["content"][0]
+            events.append(self._part("response.reasoning_text.done", None, item, text=self.text))
+            events.append(self._part("response.content_part.done", part, item))
+        elif item["type"] == "message":
             item = message_item(self.text, "completed", item["id"])
             part = item["content"][0]
             events.append(
@@ -118,7 +136,8 @@ async def response_events(turn: Turn, gen: Generation, store: ResponseStore) -> 
             text, fragments = d.text, []
             if calls is not None:
                 text, fragments = calls.feed(d.text, final=d.finish_reason is not None)
-            events = items.text_delta(text) if text else []
+            events = items.thinking_delta(d.thinking) if d.thinking else []
+            events += items.text_delta(text) if text else []
             for fragment in fragments:
                 events += items.call(fragment)
             for event in events:

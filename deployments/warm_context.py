@@ -20,6 +20,7 @@ import logging
 from app.protocol.errors import ShoalError
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.sampling import SamplingParams
+from app.text.reasoning import ReasoningFormat
 from deployments.generation import Generation
 from deployments.ingress import Ingress
 
@@ -35,17 +36,20 @@ async def generate_in_context(
     params: SamplingParams,
     tag: str,
     busy_pauses: tuple[float | None, ...] = BUSY_PAUSES_S,
+    reasoning: ReasoningFormat | None = None,
 ) -> tuple[Generation, int]:
     """Start the turn's generation in context `cid`; also returns how many of the
     prompt's tokens the context already held (0: rebuilt). A context still busy after
-    `busy_pauses` is a 409."""
+    `busy_pauses` is a 409. `reasoning`: as for Ingress.generate."""
     held = await held_tokens(ingress, model, cid)
     stale = held is not None  # a copy that the rebuild must drop first
     if held is not None and _extends(prompt_ids, held):
         op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=len(held))
         try:
             new = prompt_ids[len(held) :]
-            gen = await _generate(ingress, model, new, params, tag, op, prompt_ids, busy_pauses)
+            gen = await _generate(
+                ingress, model, new, params, tag, op, prompt_ids, busy_pauses, reasoning
+            )
             return gen, len(held)
         except ShoalError as exc:  # lost or changed since the read (410): rebuild
             if not _gone(exc):
@@ -63,7 +67,7 @@ async def generate_in_context(
             await free(ingress, model, cid)
         try:
             gen = await _generate(
-                ingress, model, prompt_ids, params, tag, op, prompt_ids, busy_pauses
+                ingress, model, prompt_ids, params, tag, op, prompt_ids, busy_pauses, reasoning
             )
             return gen, 0
         except ShoalError as exc:
@@ -82,13 +86,14 @@ async def _generate(
     op: ContextOp,
     prompt_ids: list[int],
     busy_pauses: tuple[float | None, ...],
+    reasoning: ReasoningFormat | None,
 ) -> Generation:
     """Start it; a context still busy for a moment (the generation of a run cancelled
     just before, which its replica has not yet let go of) is waited for briefly."""
     for pause in busy_pauses:
         try:
             return await ingress.generate(
-                model, new_ids, params, [], tag, op, detok_prefix=prompt_ids
+                model, new_ids, params, [], tag, op, detok_prefix=prompt_ids, reasoning=reasoning
             )
         except ShoalError as exc:
             if exc.status_code != 409 or pause is None:

@@ -3,7 +3,8 @@ tools, a constraint and neutral SamplingParams.
 
 Strict like the other OpenAI schemas: an unknown field is a 400 naming it; a field this
 server does not honour is accepted only with a value that asks for nothing. Input items
-are messages (text parts only), function calls and their outputs.
+are messages (text parts only), function calls and their outputs, and reasoning items
+(an earlier turn's thinking, given to the template with the assistant turn after it).
 """
 
 import json
@@ -165,11 +166,15 @@ class ResponsesRequest(BaseModel):
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat-template messages: function calls become an
         assistant's tool_calls (consecutive ones, one message), their outputs tool
-        messages."""
+        messages, reasoning items the next assistant message's reasoning_content."""
         out: list[dict[str, Any]] = []
+        thinking: list[str] = []  # reasoning items waiting for their assistant turn
         for i, item in enumerate(self.input_items()):
             where = f"input[{i}]"
             kind = item.get("type", "message")
+            if kind == "reasoning":
+                thinking.append(_reasoning_text(item, where))
+                continue
             if kind == "message":
                 out.append(_message(item, where))
             elif kind == "function_call":
@@ -185,6 +190,9 @@ class ResponsesRequest(BaseModel):
                 raise InvalidRequestError(
                     f"{where}: items of type {kind!r} {NOT_SUPPORTED}", "input"
                 )
+            if thinking and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"] = "".join(thinking)
+                thinking = []
         return out
 
 
@@ -208,6 +216,16 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(content, str):
         raise InvalidRequestError(f"{where}: content is text or a list of text parts", "input")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary's."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+    ):
+        raise InvalidRequestError(f"{where}: a reasoning item's parts are text", "input")
+    return "".join(p["text"] for p in parts)
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.responses import ResponsesRequest
 from app.protocol.sampling import SamplingParams
+from app.text.reasoning import ReasoningFormat
+from app.text.reasoning_grammar import thinking_first
 from deployments.generation import Generation
 from deployments.ingress import Ingress, IngressDep, RequestTag
 from deployments.response_store import ResponseStore
@@ -65,17 +67,19 @@ async def create(req: ResponsesRequest, ingress: IngressDep, store: StoreDep, ta
     constraint = req.output_constraint()
     if fmt is not None and (tools.forces_call or constraint is None):
         constraint = tools.tool_constraint(fmt)
+    reasoning = ingress.reasoning(name, ids)
+    if reasoning is not None and constraint is not None:
+        constraint = thinking_first(reasoning, constraint)
     params = req.params(ingress.config.max_tokens_default, constraint)
     rid = f"resp_{uuid.uuid4().hex}"
     chain = previous.chain if previous is not None else rid
-    gen, reused = await _start(
-        ingress, name, ids, params, tag, context_id(chain) if req.store else None
-    )
+    cid = context_id(chain) if req.store else None
+    gen, reused = await _start(ingress, name, ids, params, tag, cid, reasoning)
     turn = Turn(rid, name, req, int(time.time()), chain, len(ids), reused, new_messages, fmt)
     if req.stream:
         return stream(gen, response_events(turn, gen, store), WIRE)
     await gen.drain()
-    return turn.finish(store, output_items(gen.outputs[0].text, fmt), gen)
+    return turn.finish(store, output_items(gen.outputs[0], fmt), gen)
 
 
 async def _start(
@@ -85,6 +89,7 @@ async def _start(
     params: SamplingParams,
     tag: str,
     cid: str | None,
+    reasoning: ReasoningFormat | None,
 ) -> tuple[Generation, int]:
     """The turn's generation, and how many prompt tokens its chain's context held. A
     stored turn extends the chain's context; a turn nobody can continue (`store: false`)
@@ -93,13 +98,13 @@ async def _start(
     if cid is not None:
         try:
             return await generate_in_context(
-                ingress, model, cid, ids, params, tag, CHAIN_BUSY_PAUSES_S
+                ingress, model, cid, ids, params, tag, CHAIN_BUSY_PAUSES_S, reasoning
             )
         except ShoalError as exc:
             if exc.status_code != 409:
                 raise
             logger.info("context %s is busy: this turn runs without it", cid)
-    return await ingress.generate(model, ids, params, [], tag), 0
+    return await ingress.generate(model, ids, params, [], tag, reasoning=reasoning), 0
 
 
 @router.get("/responses/{response_id}")
