@@ -8,6 +8,7 @@ from app.protocol.llamacpp import LlamaCompletionRequest
 from app.protocol.ollama import OllamaChatRequest, OllamaOptions
 from app.protocol.openai import ChatCompletionRequest, CompletionRequest, sampling_params
 from app.protocol.parrot import FillRequest, ParrotGenerateRequest
+from app.protocol.responses import ResponsesRequest
 
 
 def test_ollama_defaults_and_names():
@@ -77,3 +78,30 @@ def test_parrot_ids_are_integers_and_fills_have_one_content():
     req = ParrotGenerateRequest(session_id=1, task_id=2, context_id=8, parent_context_id=7)
     assert (req.context_key, req.parent_key) == ("8", "7")
     assert req.sampling_config.params().max_tokens == 128
+
+
+def test_responses_reasoning_items_go_with_the_assistant_turn_after_them():
+    """A client that keeps its own context sends the reasoning items back: their text
+    reaches the template as the next assistant message's reasoning_content."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": []}
+    items = [
+        {"role": "user", "content": "Hi"},
+        {**thought, "content": [{"type": "reasoning_text", "text": "A greeting."}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hello"}],
+        },
+        {"role": "user", "content": "Weather?"},
+        {**thought, "summary": [{"type": "summary_text", "text": "Use the tool."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+    ]
+    messages = ResponsesRequest(input=items).input_messages()
+    assert [m.get("reasoning_content") for m in messages] == [
+        None,
+        "A greeting.",
+        None,
+        "Use the tool.",
+    ]
+    with pytest.raises(InvalidRequestError):
+        ResponsesRequest(input=[{"type": "reasoning", "content": "x"}]).input_messages()
