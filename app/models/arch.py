@@ -21,6 +21,7 @@ class MoEConfig:
     normalize_top_k: bool  # renormalise the k chosen probabilities to sum to 1
     shared_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP
+    float32_weights: bool = False  # Mixtral weighs expert outputs in float32, then rounds
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,19 @@ def patch_config(hf_config: Any, reader: Any, model_name: str) -> Any:
     elif meta.arch == "phi3":
         rope = _phi3(c, meta, rope, model_name)
     c.rope_parameters = rope
+    c.eos_token_id = _end_tokens(c.eos_token_id, reader)
     return c
+
+
+def _end_tokens(eos: Any, reader: Any) -> list[int] | int | None:
+    """EOS plus llama.cpp's end-of-turn and end-of-message ids: instruction-tuned Gemma
+    files end a turn with <end_of_turn> (eot) while their eos stays <eos>."""
+    ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
+    for key in ("eos", "eot", "eom"):
+        field = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None and int(field.contents()) not in ids:
+            ids.append(int(field.contents()))
+    return ids[0] if len(ids) == 1 else (ids or None)
 
 
 class _Metadata:

@@ -24,7 +24,7 @@ class SparseMoE(nn.Module):
         moe = arch.moe
         assert moe is not None
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
-        self.normalize = moe.normalize_top_k
+        self.normalize, self.float32_weights = moe.normalize_top_k, moe.float32_weights
         self.act = arch.hidden_act
         self.inter = moe.intermediate_size
         self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=False)  # the router
@@ -46,7 +46,8 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        if not self.float32_weights:
+            weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # (T*k,) grouped by expert, token order kept
@@ -60,7 +61,7 @@ class SparseMoE(nn.Module):
             rows = tokens[start : start + n]
             g, u = F.linear(x[rows], self.expert_gate_up[expert]).split(self.inter, dim=-1)
             y = F.linear(activate(g, self.act) * u, self.expert_down[expert])
-            out.index_add_(0, rows, y * picked_weights[start : start + n, None])
+            out.index_add_(0, rows, (y * picked_weights[start : start + n, None]).to(out.dtype))
             start += n
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

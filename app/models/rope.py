@@ -34,13 +34,13 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
 def _longrope(
     head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phi-3's LongRoPE: per-frequency divisors, `short_factor` within the pretraining
-    length and `long_factor` beyond, and cos/sin scaled by an attention factor.
+    """Phi-3's LongRoPE: per-frequency divisors, and cos/sin scaled by an attention factor.
 
-    transformers switches every position to the long factors once a sequence outgrows
-    the pretraining length; with a KV cache that would leave earlier keys rotated by the
-    short ones anyway, so each position keeps the factor of its own range: identical to
-    transformers below the pretraining length, and cache-consistent beyond it."""
+    One set of divisors serves every position, chosen by the context served, as
+    llama.cpp does: `long_factor` when it exceeds the pretraining length, else
+    `short_factor`. (transformers switches a whole sequence to the long factors once it
+    outgrows that length, which a KV cache cannot follow: keys already cached keep the
+    short rotation. Below the pretraining length both agree.)"""
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
     attention_factor = scaling.get("attention_factor")
@@ -48,16 +48,10 @@ def _longrope(
         attention_factor = (
             1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         )
+    key = "long_factor" if max_positions > original else "short_factor"
     shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    tables = []
-    for key, rows in (
-        ("short_factor", positions[:original]),
-        ("long_factor", positions[original:]),
-    ):
-        inv_freq = 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * theta**shape)
-        tables.append(torch.outer(rows, inv_freq))
-    freqs = torch.cat(tables)
+    inv_freq = 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * theta**shape)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attention_factor, emb.sin() * attention_factor
 

@@ -13,7 +13,7 @@ WINDOW = 8  # smaller than every test prompt, and not a multiple of the block si
 LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
-    "original_max_position_embeddings": 64,
+    "original_max_position_embeddings": 128,  # past every test sequence: short factors
     "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
 }
@@ -136,7 +136,7 @@ def save_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
         boi_token_index=TINY_VOCAB,
         eoi_token_index=TINY_VOCAB + 1,
         image_token_index=TINY_VOCAB + 2,
-        eos_token_id=TINY_EOS,
+        eos_token_id=[TINY_EOS, TINY_VOCAB + 3],  # gemma-3-4b-it: [<eos>, <end_of_turn>]
     )
     torch.manual_seed(seed)
     transformers.Gemma3ForConditionalGeneration(config).eval().save_pretrained(directory)

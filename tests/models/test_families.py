@@ -13,6 +13,9 @@ from tests.helpers import tiny_engine
 from tests.models.family_checkpoints import FAMILIES, WINDOW, save_family_checkpoint
 
 NEW_TOKENS = 12
+# Phi-4-mini's LongRoPE: served within its pretraining length, the short factors apply,
+# as they do in transformers for sequences that short.
+ENGINE_SETTINGS = {"phi4-mini": dict(max_model_len=128)}
 PROMPTS = [
     [5, 17, 99, 4, 250, 8, 8, 61, 12, 140, 33, 7, 201, 90],  # past the window
     [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3] * 2,
@@ -48,7 +51,7 @@ def family(request, tmp_path_factory) -> tuple[str, Path]:
 def test_greedy_output_matches_transformers(family):
     name, directory = family
     assert max(len(p) for p in PROMPTS) > WINDOW
-    engine = tiny_engine(directory)
+    engine = tiny_engine(directory, **ENGINE_SETTINGS.get(name, {}))
     routed = _record_routing(engine)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
@@ -64,9 +67,32 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path):
     directory = save_gemma3_multimodal(tmp_path)
     engine = tiny_engine(directory)
     assert engine.arch.architecture == "Gemma3ForConditionalGeneration"
+    assert set(engine.arch.eos_token_ids) == {255, 259}  # the outer config's end of turn too
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
     assert ours == [transformers_greedy(directory, p) for p in PROMPTS]
+
+
+def test_longrope_beyond_the_pretraining_length_uses_the_long_factors(tmp_path):
+    """Serving more context than the pretraining length: every position takes the long
+    factors, as transformers does for a sequence that long (and llama.cpp for such a
+    context)."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from app.models.arch import ArchConfig
+    from app.models.decoder import rotary_tables
+
+    directory = save_family_checkpoint(tmp_path, "phi4-mini")
+    config = AutoConfig.from_pretrained(directory)
+    arch = ArchConfig.from_hf(config, "phi4-mini")
+    positions = torch.arange(200)  # past original_max_position_embeddings (128)
+    ours, _ = rotary_tables(arch, max_positions=256)
+    cos, sin = ours.tables(positions)
+    ref_cos, ref_sin = Phi3RotaryEmbedding(config)(torch.zeros(1), positions[None])
+    half = cos.shape[-1]
+    assert torch.allclose(cos, ref_cos[0, :, :half], atol=1e-6)
+    assert torch.allclose(sin, ref_sin[0, :, :half], atol=1e-6)
 
 
 def _record_routing(engine) -> set[int] | None:

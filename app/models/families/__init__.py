@@ -15,7 +15,7 @@ import torch
 
 from app.models.arch import ArchConfig
 from app.models.families import gemma, llama, moe, phi3, qwen3
-from app.models.families.common import common_fields
+from app.models.families.common import common_fields, end_tokens
 from app.protocol.errors import ModelLoadError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen3, gemma, phi3, moe)
@@ -60,8 +60,14 @@ def read_arch_config(hf_config: Any, model_name: str) -> ArchConfig:
     family = FAMILIES[arch]
     # A multimodal checkpoint's language model has its own config inside.
     language = getattr(family, "language_config", None)
+    outer = hf_config
     hf_config = language(hf_config) if language else hf_config
     fields = common_fields(hf_config, arch, family.ARCHITECTURES[arch], model_name)
+    if outer is not hf_config and getattr(outer, "eos_token_id", None) is not None:
+        # gemma-3-4b-it's end of turn (106) is in the outer config's eos list only.
+        fields["eos_token_ids"] = tuple(
+            dict.fromkeys(fields["eos_token_ids"] + end_tokens(outer.eos_token_id))
+        )
     try:
         fields = family.read(hf_config, fields)
     except NotImplementedError as exc:
@@ -79,7 +85,7 @@ def hf_tensors(
     offset = arch.norm_weight_offset if norm_offset else 0.0
     for name, tensor in weights:
         if offset and name.endswith("norm.weight"):
-            tensor = tensor + offset
+            tensor = tensor.float() + offset  # in float32, as transformers adds it
         if rename is None:
             yield name, tensor
         else:

@@ -18,8 +18,6 @@ def common_fields(hf_config: Any, arch: str, qkv_bias: bool, model_name: str) ->
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
         )
     num_heads = hf_config.num_attention_heads
-    eos = hf_config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
     return dict(
         architecture=arch,
         vocab_size=hf_config.vocab_size,
@@ -35,7 +33,8 @@ def common_fields(hf_config: Any, arch: str, qkv_bias: bool, model_name: str) ->
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias or bool(getattr(hf_config, "attention_bias", False)),
         rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
-        eos_token_ids=eos_ids,
+        eos_token_ids=end_tokens(hf_config.eos_token_id),
+        hidden_act=activation(hf_config, arch, model_name),
     )
 
 
@@ -67,11 +66,15 @@ def sliding_windows(hf_config: Any, num_layers: int) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
-def activation(hf_config: Any, model_name: str) -> str:
+def activation(hf_config: Any, arch: str, model_name: str) -> str:
     name = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
     if name not in _ACTIVATIONS:
         raise ModelLoadError(
             model_name,
-            f"unsupported activation {name!r} (supported: {', '.join(sorted(_ACTIVATIONS))})",
+            f"{arch}: unsupported activation {name!r} (supported: {', '.join(sorted(_ACTIVATIONS))})",
         )
     return _ACTIVATIONS[name]
+
+
+def end_tokens(eos: Any) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))

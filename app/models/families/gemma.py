@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from app.models.arch import ArchConfig
-from app.models.families.common import activation, rope_parameters, sliding_windows
+from app.models.families.common import rope_parameters, sliding_windows
 
 ARCHITECTURES = {
     "Gemma2ForCausalLM": False,
@@ -30,7 +30,6 @@ def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:
         "sandwich_norms": True,
         "norm_weight_offset": 1.0,
         "embed_scale": fields["hidden_size"] ** 0.5,
-        "hidden_act": activation(hf_config, fields["architecture"]),
         "attn_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
         "attn_softcap": float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),

@@ -24,6 +24,7 @@ def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:
             top_k=hf_config.num_experts_per_tok,
             intermediate_size=fields["intermediate_size"],
             normalize_top_k=True,
+            float32_weights=True,
         )
         return {**fields, "moe": moe, "layer_windows": sliding_windows(hf_config, layers)}
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
