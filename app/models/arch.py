@@ -8,7 +8,8 @@ family's module in app/models/families reads its config into these fields.
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# "divisors": per-frequency divisors given outright (what GGUF files carry for llama3)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "divisors")
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ from typing import Any
 from app.protocol.errors import ModelLoadError
 
 GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Never loaded: Phi-3's LongRoPE factors go into the config (see _phi3). rope_freqs holds
-# Llama 3.1's per-frequency divisors, which no config field transformers fills carries:
-# ignored, as transformers ignores it.
+# Never loaded as weights: Phi-3's LongRoPE factors go into the config (see _phi3), and
+# so do Llama 3.1+'s per-frequency RoPE divisors in rope_freqs (see _rope_divisors).
 IGNORED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 LAYER_PARTS = {
     "attn_norm": "input_layernorm",
@@ -84,6 +83,7 @@ def patch_config(hf_config: Any, reader: Any, model_name: str) -> Any:
         c.head_dim = key_length  # Qwen3's config class defaults to 128
     rope = {"rope_type": "default", "rope_theta": meta.number("rope.freq_base", 10000.0)}
     rope.update(_rope_scaling(meta))
+    rope.update(_rope_divisors(meta))
     if meta.arch == "llama":
         _llama(c, meta)
     elif meta.arch in ("qwen2moe", "qwen3moe"):
@@ -138,6 +138,16 @@ def _rope_scaling(meta: _Metadata) -> dict[str, Any]:
     if kind == "linear":
         return {"rope_type": "linear", "factor": meta.number("rope.scaling.factor")}
     return {"rope_type": kind}  # e.g. yarn: the families name it as unsupported
+
+
+def _rope_divisors(meta: _Metadata) -> dict[str, Any]:
+    """llama.cpp writes Llama 3.1+'s RoPE scaling only as the tensor `rope_freqs`: one
+    divisor per frequency (its converter's rendering of rope_type llama3). transformers'
+    reader drops it, which would serve those models with unscaled RoPE."""
+    tensor = meta.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return {}
+    return {"rope_type": "divisors", "divisors": [float(x) for x in tensor.data.reshape(-1)]}
 
 
 def _llama(c: Any, meta: _Metadata) -> None:

@@ -14,6 +14,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) ->
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_scaling(inv_freq, scaling)
+    if rope_type == "divisors":  # llama.cpp's rope_freqs: explicit per-frequency divisors
+        return inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float32)
     return inv_freq
 
 

@@ -182,7 +182,31 @@ def _permute_qk(name: str, tensor: torch.Tensor, c: dict[str, Any]) -> torch.Ten
 
 def _rope_factor_tensors(arch: gguf.MODEL_ARCH, c: dict[str, Any]):
     rope = _rope(c)
+    if rope.get("rope_type") == "llama3":
+        yield "rope_freqs.weight", _llama3_divisors(c, rope)
+        return
     if arch != gguf.MODEL_ARCH.PHI3 or rope.get("rope_type") != "longrope":
         return
     yield "rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)
     yield "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
+
+
+def _llama3_divisors(c: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's LlamaModel.generate_extra_tensors: llama3 scaling as one divisor per
+    frequency (1 for short wavelengths, `factor` for long ones, smoothed between)."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    base, factor = rope.get("rope_theta", 10000.0), rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)

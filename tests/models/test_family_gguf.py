@@ -12,7 +12,7 @@ import pytest
 from app.models.loader import read_arch
 from app.models.source import resolve_model
 from app.protocol import ModelLoadError, SamplingParams
-from tests.helpers import tiny_engine
+from tests.helpers import save_tiny_checkpoint, tiny_engine
 from tests.models.family_checkpoints import save_family_checkpoint
 from tests.models.gguf_writer import write_gguf
 from tests.models.test_families import NEW_TOKENS, PROMPTS
@@ -31,15 +31,33 @@ GGUF_FAMILIES = {
 }
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short: the test prompts reach past it
+}
+
+
 def _checkpoint_and_gguf(tmp_path: Path, family: str) -> tuple[Path, Path]:
-    directory = save_family_checkpoint(tmp_path / family, family, **GGUF_FAMILIES[family])
+    if family == "llama3.1":  # RoPE scaling carried only as rope_freqs divisors
+        directory = save_tiny_checkpoint(
+            tmp_path / family, "llama", rope_parameters=LLAMA3_ROPE, initializer_range=0.2
+        )
+    else:
+        directory = save_family_checkpoint(tmp_path / family, family, **GGUF_FAMILIES[family])
     return directory, write_gguf(directory, directory / f"{family}.gguf")
 
 
-@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+@pytest.mark.parametrize("family", [*sorted(GGUF_FAMILIES), "llama3.1"])
 def test_gguf_generates_as_safetensors(family, tmp_path):
     directory, gguf = _checkpoint_and_gguf(tmp_path, family)
-    assert read_arch(resolve_model(str(gguf))) == read_arch(resolve_model(str(directory)))
+    if family == "llama3.1":
+        assert read_arch(resolve_model(str(gguf))).rope_scaling["rope_type"] == "divisors"
+    else:
+        assert read_arch(resolve_model(str(gguf))) == read_arch(resolve_model(str(directory)))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     want = tiny_engine(directory).generate(PROMPTS, params)
     got = tiny_engine(gguf).generate(PROMPTS, params)
