@@ -1,5 +1,5 @@
-"""Rotary position embeddings (HF's rotate-half layout), with linear, llama3 and LongRoPE
-scaling."""
+"""Rotary position embeddings (HF's rotate-half layout), with linear, llama3, YaRN and
+LongRoPE scaling."""
 
 import math
 from typing import Any
@@ -33,6 +33,46 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5/3 long context, DeepSeek): interpolate the low frequencies by
+    `factor`, keep the high ones, ramp between; cos/sin scaled by an attention factor.
+    (inverse frequencies, attention factor), as transformers computes them."""
+    factor = scaling["factor"]
+    original = scaling.get("original_max_position_embeddings") or scaling["max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(
+                factor, scaling["mscale_all_dim"]
+            )
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp  # share of the unscaled frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 def _longrope(
     head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +103,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
-        if scaling.get("rope_type", scaling.get("type")) == "longrope":
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type == "longrope":
             cos, sin = _longrope(head_dim, max_positions, theta, scaling)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn(head_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
         else:
             inv_freq = inverse_frequencies(head_dim, theta, scaling)
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)

@@ -34,6 +34,19 @@ _COMMON: dict[str, Any] = dict(
 # family -> (transformers config class, model class, settings of the real shape)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "qwen3-yarn": (  # Qwen3's long-context setting, with a short pretraining length
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
     "gemma2": (
         "Gemma2Config",

@@ -127,10 +127,10 @@ def test_tensor_parallel_matches_one_shard(name, tmp_path):
 def test_unsupported_features_fail_at_load_naming_them(tmp_path):
     from app.protocol import ModelLoadError
 
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    directory = save_family_checkpoint(tmp_path / "q", "qwen3", rope_parameters=yarn)
+    dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    directory = save_family_checkpoint(tmp_path / "q", "qwen3", rope_parameters=dynamic)
     with pytest.raises(
-        ModelLoadError, match="Qwen3ForCausalLM: unsupported RoPE scaling type 'yarn'"
+        ModelLoadError, match="Qwen3ForCausalLM: unsupported RoPE scaling type 'dynamic'"
     ):
         tiny_engine(directory)
     rope = {

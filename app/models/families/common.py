@@ -32,7 +32,7 @@ def common_fields(hf_config: Any, arch: str, qkv_bias: bool, model_name: str) ->
         max_position_embeddings=hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias or bool(getattr(hf_config, "attention_bias", False)),
-        rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+        rope_scaling=_scaling(rope, hf_config),
         eos_token_ids=end_tokens(hf_config.eos_token_id),
         hidden_act=activation(hf_config, arch, model_name),
     )
@@ -78,3 +78,11 @@ def activation(hf_config: Any, arch: str, model_name: str) -> str:
 
 def end_tokens(eos: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+
+
+def _scaling(rope: dict[str, Any], hf_config: Any) -> dict[str, Any]:
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type") in ("yarn", "longrope"):
+        # Their default factor and pretraining length derive from the context length.
+        scaling.setdefault("max_position_embeddings", hf_config.max_position_embeddings)
+    return scaling
