@@ -276,6 +276,9 @@ class TorchPagedAttention(AttentionBackend):
         return out[0].transpose(0, 1)
 
 
+SOFTCAP_SCORE_BYTES = 64 << 20
+
+
 def _softcapped_attention(
     q: torch.Tensor,  # (nh, Lq, hd)
     k: torch.Tensor,  # (nkv, L, hd)
@@ -288,7 +291,16 @@ def _softcapped_attention(
     Scores are float32 products, as in SDPA: rounded to bf16 they lose up to 1/256 of
     themselves, a few hundredths at the magnitudes a cap of 30 or 50 allows."""
     nh, lq, hd = q.shape
-    nkv, length = k.shape[0], k.shape[1]
+    length = k.shape[1]
+    # Query tiles bound the float32 scores however long the context.
+    tile = max(1, SOFTCAP_SCORE_BYTES // (4 * nh * length))
+    if lq > tile:
+        parts = [
+            _softcapped_attention(q[:, i : i + tile], k, v, mask[i : i + tile], scale, softcap)
+            for i in range(0, lq, tile)
+        ]
+        return torch.cat(parts, dim=1)
+    nkv = k.shape[0]
     qg = q.reshape(nkv, nh // nkv * lq, hd)  # query heads grouped by the kv head they share
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))
     scores.mul_(scale / softcap).tanh_().mul_(softcap)  # in place: these are big

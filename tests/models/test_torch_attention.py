@@ -147,6 +147,18 @@ def test_kernels_never_read_before_the_window(window, monkeypatch):
     batch.check(batch.run(backend, meta, window), window)
 
 
+def test_softcapped_prefill_in_query_tiles_matches(monkeypatch):
+    """Long contexts split the capped prefill into query tiles (bounded score memory)."""
+    from app.models import torch_attention
+
+    monkeypatch.setattr(torch_attention, "SOFTCAP_SCORE_BYTES", 4 * NH * 40 * 3)  # 3 rows
+    torch.manual_seed(4)
+    backend = make_backend("torch", monkeypatch)
+    batch = Batch(backend, CONTEXTS, QUERIES, DECODES, torch.float32)
+    meta = backend.build_metadata(batch.layout, NKV, torch.device("cpu"))
+    batch.check(batch.run(backend, meta, 5, 50.0), 5, 50.0)
+
+
 def test_softcap_is_seen_by_these_tests():
     torch.manual_seed(0)
     q, k, v = torch.randn(3, NH, HD) * 4, torch.randn(9, NKV, HD), torch.randn(9, NKV, HD)
