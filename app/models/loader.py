@@ -78,18 +78,55 @@ def load_model(
         raise ModelLoadError(
             source.name, f"{len(missing)} weights missing from the checkpoint: {shown}"
         )
+    model = _ready(model, arch, dtype, device)
+    logger.info("loaded %s (%s, %s) on %s", source.name, arch.architecture, dtype, device)
+    return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
+
+
+def random_model(
+    source: ModelSource,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    std: float = 0.02,
+) -> LoadedModel:
+    """The model `source`'s config describes, with random weights drawn on `device`: for
+    benchmarks of shapes whose weights cannot be carried (an 8B model on a machine
+    without network). Only `source`'s config.json is read."""
+    arch = read_arch(source)
+    max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(arch, backend, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)  # never materialised in float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _rebuild_rope(model, arch, max_positions, device)
+    model = _ready(model, arch, dtype, device)
+    return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
+
+
+def _ready(
+    model: DecoderForCausalLM, arch: ArchConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderForCausalLM:
+    """In `dtype` for inference; RoPE tables float32; bf16 linears prepacked on CPU."""
     model = model.to(dtype=dtype)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # cos/sin stay float32 whatever the model dtype
     for rotary in (model.model.rotary, model.model.rotary_local):
         if rotary is not None:
-            rotary.float()
+            rotary.float()  # cos/sin stay float32 whatever the model dtype
     model.eval().requires_grad_(False)
     if can_prepack(dtype, device):
         prepack_linears(model)
-    logger.info("loaded %s (%s, %s) on %s", source.name, arch.architecture, dtype, device)
-    return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
+    return model
 
 
 def _rebuild_rope(
