@@ -1,0 +1,139 @@
+"""Linear layers and embeddings on GGUF-quantised weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
+so a decode step reads each weight byte once instead of a bfloat16 copy 2-3x its size.
+
+    packed = pack(raw_rows, QuantType.Q4_1)       # lossless; unpack() gives the bytes back
+    matmul(x, packed, out=fused[:, 0:576])        # out = x @ W^T, out may be a column slice
+    embedding(ids, packed, torch.bfloat16)        # dequantised rows
+
+The C++ kernels (kernels.cpp) are compiled on first use like app.models.cpu_kernels: cached
+under ~/.cache/torch_extensions by a hash of the sources and the CPU flags. `load()` returns
+None when they cannot be built or SHOAL_QUANT_KERNELS=0; matmul and embedding then
+dequantise with gguf's numpy code and use torch (exact, slow).
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from app.models.quant.formats import QuantType, dequantize
+from app.models.quant.packed_weight import PackedWeight
+from app.models.quant.packing import dequantize_packed, pack, unpack
+
+__all__ = [
+    "PackedWeight",
+    "QuantType",
+    "available",
+    "dequantize",
+    "dequantize_packed",
+    "embedding",
+    "load",
+    "matmul",
+    "nbytes",
+    "pack",
+    "unpack",
+]
+
+logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_modules: dict[bool, ModuleType | None] = {}
+_SOURCES = ("kernels.cpp", "formats.h", "gemv.h", "simd.h")
+
+
+def _build_signature(portable: bool) -> str:
+    """CPU flags and sources in one hash: -march=native builds are valid only on CPUs with
+    the same features, and an edited source must not find an older build of itself."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    digest = hashlib.sha1(flags.encode() + str(portable).encode())
+    for name in _SOURCES:
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def load(portable: bool = False) -> ModuleType | None:
+    """The compiled kernels, or None. portable=True builds the plain-loop variant (no
+    intrinsics), which tests use to check the generic code on any CPU."""
+    with _lock:
+        if portable in _modules:
+            return _modules[portable]
+        module = None
+        if os.environ.get("SHOAL_QUANT_KERNELS", "1") != "0":
+            module = _build(portable)
+        _modules[portable] = module
+        return module
+
+
+def _build(portable: bool) -> ModuleType | None:
+    # torch runs `ninja` from PATH; the one pip installed sits next to our python.
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = (
+            os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        )
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        variant = "portable" if portable else "native"
+        return build(
+            name=f"shoal_quant_kernels_{variant}_{_build_signature(portable)}",
+            sources=[str(Path(__file__).with_name("kernels.cpp"))],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"]
+            + (["-DSHOAL_QUANT_PORTABLE"] if portable else []),
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers: the torch path still works
+        logger.warning("quantised-weight kernels unavailable, dequantising instead: %s", exc)
+        return None
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def matmul(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out (T, N) = x (T, K) @ W^T. x is float32, bfloat16 or float16; out defaults to a new
+    tensor of x's dtype and may be a column slice of a wider one (unit column stride)."""
+    if out is None:
+        out = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
+    module = load()
+    if module is None:
+        out.copy_(x.float() @ dequantize_packed(packed).T)
+    else:
+        module.quant_matmul(x, int(packed.qtype), list(packed.parts), packed.n, packed.k, out)
+    return out
+
+
+def embedding(
+    ids: torch.Tensor, packed: PackedWeight, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Rows of W for token ids of any shape -> ids.shape + (K,), dequantised exactly, then
+    cast to dtype (as F.embedding would return them)."""
+    flat = ids.reshape(-1).long()
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < packed.n:
+        raise IndexError(f"token ids must lie in [0, {packed.n})")
+    module = load()
+    if module is None:
+        rows = dequantize(unpack(packed)[flat], packed.qtype, packed.k).to(dtype)
+    else:
+        rows = torch.empty(flat.shape[0], packed.k, dtype=dtype)
+        module.quant_embedding(
+            flat, int(packed.qtype), list(packed.parts), packed.n, packed.k, rows
+        )
+    return rows.reshape(*ids.shape, packed.k)
+
+
+def nbytes(weight: PackedWeight | torch.Tensor) -> int:
+    """Bytes a weight holds in memory, packed or plain."""
+    if isinstance(weight, PackedWeight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()

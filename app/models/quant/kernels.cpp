@@ -1,0 +1,130 @@
+// Linear layers on GGUF-quantised weights, built on first use by app/models/quant/__init__.py:
+//   quant_matmul     out (T, N) = x (T, K) @ W^T, W packed (formats.h); out may be a column
+//                    slice of a wider tensor (fused q/k/v or gate/up outputs)
+//   quant_embedding  the rows of W named by ids, dequantised
+//
+// Two regimes. Few rows of x (decode): the fused dequantise-GEMV of gemv.h, which reads
+// each weight byte once per call. Many rows (prefill, big batches): each thread
+// dequantises a tile of W's rows into float32 scratch and hands it to at::mm, where the
+// multiply, not the weights' bytes, sets the pace. bench/quant_gemv.py measures where
+// one overtakes the other (kGemvMaxT).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "formats.h"
+#include "gemv.h"
+#include "simd.h"
+
+namespace {
+using namespace shoal_quant;
+using at::Tensor;
+
+constexpr int64_t kGemvMaxT = 8;  // auto mode: GEMV up to this many rows (bench/quant_gemv.py)
+
+// One row of W as exact floats: scale * q (+ off), the same roundings gguf's numpy does.
+template <class F>
+void dequant_row(const F& f, int64_t n, int64_t kb, float* scale, float* off, float* dst) {
+  constexpr int per = kNV / F::kSubs;
+  f.scales(n, scale, off);
+  for (int64_t b = 0; b < kb; ++b) {
+    vf q[kNV];
+    f.decode(n, b, q);
+    for (int s = 0; s < F::kSubs; ++s) {
+      const vf sc = vset1(scale[b * F::kSubs + s]);
+      for (int i = 0; i < per; ++i) {
+        const int j = s * per + i;
+        vstore(dst + b * 32 + j * kW, F::kOffset ? vfma(sc, q[j], vset1(off[b])) : vmul(sc, q[j]));
+      }
+    }
+  }
+}
+
+template <class F>
+void tiled(const F& f, int64_t N, int64_t K, const Tensor& xf, Tensor& out, int64_t tile_rows) {
+  const int64_t kb = K / 32, T = xf.size(0);
+  // ~256 KiB of float32 per tile: it stays in L2 while at::mm reads it T/rows times.
+  const int64_t rows = tile_rows > 0 ? tile_rows : std::clamp<int64_t>((int64_t(1) << 16) / K / 16 * 16, 16, 256);
+  const int64_t tiles = (N + rows - 1) / rows;
+  const bool direct = out.scalar_type() == at::kFloat;  // else via float32, then rounded once
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(kb * F::kSubs), off(F::kOffset ? kb : 0);
+    Tensor tile = at::empty({rows, K}, xf.options());
+    float* w = tile.data_ptr<float>();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * rows, r = std::min(rows, N - n0);
+      for (int64_t j = 0; j < r; ++j) dequant_row(f, n0 + j, kb, scale.data(), off.data(), w + j * K);
+      Tensor dst = direct ? out.narrow(1, n0, r) : at::empty({T, r}, xf.options());
+      at::mm_out(dst, xf, tile.narrow(0, 0, r).t());
+      if (!direct) out.narrow(1, n0, r).copy_(dst);
+    }
+  });
+}
+
+void check_float(const Tensor& t, const char* what) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && (s == at::kFloat || s == at::kBFloat16 || s == at::kHalf), what,
+              " must be a float32, bfloat16 or float16 CPU tensor, got ", s);
+}
+
+// mode: 0 picks by T (GEMV up to kGemvMaxT rows), 1 forces GEMV, 2 forces tiles.
+void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                  Tensor out, int64_t mode, int64_t tile_rows) {
+  check_float(x, "x");
+  check_float(out, "out");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (T, ", k, "), got ", x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
+              "out must be (", x.size(0), ", ", n, ") with unit column stride, got ", out.sizes(), " strides ",
+              out.strides());
+  const int64_t T = x.size(0);
+  with_format(qtype, parts, n, k, [&](const auto& f) {
+    if (T == 0 || n == 0) return;
+    const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
+    if (mode == 2 || (mode == 0 && T > kGemvMaxT)) {
+      tiled(f, n, k, xf, out, tile_rows);
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_matmul", [&] {
+      gemv(f, n, k, xf.data_ptr<float>(), T, out.data_ptr<scalar_t>(), out.stride(0));
+    });
+  });
+}
+
+void quant_embedding(const Tensor& ids, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                     Tensor out) {
+  check_float(out, "out");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-d int64 tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == ids.size(0) && out.size(1) == k && out.stride(1) == 1,
+              "out must be (", ids.size(0), ", ", k, ") with unit column stride, got ", out.sizes());
+  const Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idc.size(0); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "token id ", id[i], " outside the ", n, " rows");
+  with_format(qtype, parts, n, k, [&](const auto& f) {
+    using F = std::decay_t<decltype(f)>;
+    const int64_t kb = k / 32;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_embedding", [&] {
+      at::parallel_for(0, idc.size(0), 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> scale(kb * F::kSubs), off(F::kOffset ? kb : 0), row(k);
+        for (int64_t i = begin; i < end; ++i) {
+          dequant_row(f, id[i], kb, scale.data(), off.data(), row.data());
+          scalar_t* dst = out.data_ptr<scalar_t>() + i * out.stride(0);
+          for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<scalar_t>(row[j]);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_matmul", &quant_matmul, "out = x @ W^T for a packed GGUF-quantised W", pybind11::arg("x"),
+        pybind11::arg("qtype"), pybind11::arg("parts"), pybind11::arg("n"), pybind11::arg("k"),
+        pybind11::arg("out"), pybind11::arg("mode") = 0, pybind11::arg("tile_rows") = 0);
+  m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised");
+  m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
+  m.def("gemv_max_t", [] { return kGemvMaxT; }, "rows of x up to which quant_matmul runs the GEMV");
+}

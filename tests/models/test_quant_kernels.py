@@ -1,0 +1,167 @@
+"""Quantised-weight kernels (app/models/quant) against gguf's exact dequantisation.
+
+The reference multiplies gguf's own float32 dequantisation of the same rows in float64, so
+the only tolerance is accumulation order (float32 outputs) plus one output rounding
+(bfloat16 outputs), measured against sum |x| |w| (the scale of a dot product's rounding).
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+
+from app.models import quant
+from app.models.quant import QuantType, dequantize, dequantize_packed, pack, unpack
+
+TYPES = list(QuantType)
+SHAPE = (577, 768)  # N odd; K a multiple of 256 (every type) but not of 512
+ACCUMULATION = 1e-5  # float32 sums of <= a few thousand terms, in any order
+BF16_ROUNDING = 2.0**-8  # one rounding to bfloat16 (2^-9), with margin
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    # setup.sh installs ninja and the machine has a compiler: the kernels must build.
+    module = quant.load()
+    assert module is not None, "quantised-weight kernels failed to build"
+    return module
+
+
+@functools.cache
+def weights(qtype: QuantType, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw GGUF rows, their float32 dequantisation). Row 0 is all zeros (zero scales)."""
+    rng = np.random.default_rng(int(qtype) * 1000 + n + k)
+    if qtype in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0):
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.random((n, 1)).astype(np.float32)
+        w[0] = 0
+        raw = torch.from_numpy(quantize(w, GGMLQuantizationType(qtype.value)))
+    else:  # gguf has no numpy quantiser for the K types: random bytes, finite fp16 scales
+        blocks = n * k // 256
+        b = rng.integers(0, 256, size=(blocks, qtype.block_bytes), dtype=np.uint8)
+        halves = (rng.random((blocks, 2)) * 0.02).astype(np.float16).view(np.uint8)
+        if qtype == QuantType.Q4_K:
+            b[:, 0:4] = halves  # d, dmin
+        else:
+            b[:, 208:210] = halves[:, :2]  # d (int8 scales stay random, signs included)
+        raw = torch.from_numpy(b.reshape(n, -1))
+    return raw, dequantize(raw, qtype, k)
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    xd = x.double()
+    ref = xd @ w.double().T
+    scale = xd.abs() @ w.double().abs().T
+    tol = ACCUMULATION * scale
+    if out.dtype == torch.bfloat16:
+        tol = tol + BF16_ROUNDING * ref.abs()
+    err = (out.double() - ref).abs()
+    worst = (err - tol).argmax()
+    assert (err <= tol).all(), (
+        f"error {err.flatten()[worst]:.3g} over tolerance {tol.flatten()[worst]:.3g}"
+    )
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_packing_is_lossless_and_small(qtype):
+    raw, w = weights(qtype, *SHAPE)
+    packed = pack(raw, qtype)
+    assert torch.equal(unpack(packed), raw)
+    assert torch.equal(dequantize_packed(packed), w)
+    assert packed.nbytes <= raw.numel() * 1.03  # Q4_K's unpacked 6-bit scales: +2.8 %
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 2, 3, 7, 16, 64])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_matmul_into_a_column_slice(kernels, qtype, t, dtype):
+    n, k = SHAPE
+    raw, w = weights(qtype, n, k)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
+    fused = torch.full((t, n + 40), float("nan"), dtype=dtype)  # q/k/v-style fused output
+    out = quant.matmul(x, pack(raw, qtype), out=fused[:, 24 : 24 + n])
+    assert out.data_ptr() == fused[:, 24:].data_ptr()
+    check(out, x.float(), w)
+    assert fused[:, :24].isnan().all() and fused[:, 24 + n :].isnan().all()
+
+
+@pytest.mark.parametrize("mode", [1, 2], ids=["gemv", "tiles"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_both_regimes_at_any_t(kernels, qtype, mode):
+    n, k = 1536, 512
+    raw, w = weights(qtype, n, k)
+    packed = pack(raw, qtype)
+    for t in (1, 9, 33):
+        x = torch.randn(t, k)
+        out = torch.empty(t, n)
+        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 48)
+        check(out, x, w)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_row_slices_are_weights_of_their_own(kernels, qtype):
+    n, k = SHAPE
+    raw, w = weights(qtype, n, k)
+    part = pack(raw, qtype).rows(100, 300)
+    x = torch.randn(3, k)
+    check(quant.matmul(x, part), x, w[100:300])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_portable_build_matches(qtype):
+    portable = quant.load(portable=True)
+    assert portable is not None and portable.isa() == "portable"
+    n, k = SHAPE
+    raw, w = weights(qtype, n, k)
+    packed = pack(raw, qtype)
+    for t, mode in ((1, 1), (5, 1), (12, 2)):
+        x = torch.randn(t, k)
+        out = torch.empty(t, n)
+        portable.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode)
+        check(out, x, w)
+    ids = torch.tensor([3, 0, n - 1])
+    rows = torch.empty(3, k)
+    portable.quant_embedding(ids, int(qtype), list(packed.parts), n, k, rows)
+    assert torch.equal(rows, w[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_embedding_is_exact(kernels, qtype):
+    n, k = SHAPE
+    raw, w = weights(qtype, n, k)
+    packed = pack(raw, qtype)
+    ids = torch.tensor([5, 0, n - 1, 5, 321])
+    assert torch.equal(quant.embedding(ids, packed), w[ids])
+    assert torch.equal(quant.embedding(ids, packed, torch.bfloat16), w[ids].bfloat16())
+    assert torch.equal(quant.embedding(ids.reshape(1, 5), packed), w[ids].reshape(1, 5, k))
+    assert quant.nbytes(packed) == packed.nbytes
+    with pytest.raises(IndexError):
+        quant.embedding(torch.tensor([n]), packed)
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q4_1, QuantType.Q6_K], ids=lambda q: q.name)
+def test_fallback_without_kernels(monkeypatch, qtype):
+    monkeypatch.setattr(quant, "load", lambda portable=False: None)
+    n, k = SHAPE
+    raw, w = weights(qtype, n, k)
+    packed = pack(raw, qtype)
+    x = torch.randn(4, k).bfloat16()
+    fused = torch.zeros(4, n + 8, dtype=torch.bfloat16)
+    check(quant.matmul(x, packed, out=fused[:, 8:]), x.float(), w)
+    ids = torch.tensor([1, n - 1])
+    assert torch.equal(quant.embedding(ids, packed), w[ids])
+    with pytest.raises(IndexError):
+        quant.embedding(torch.tensor([-1]), packed)
+
+
+def test_bad_shapes_are_errors(kernels):
+    raw, _ = weights(QuantType.Q8_0, 577, 768)
+    packed = pack(raw, QuantType.Q8_0)
+    with pytest.raises(RuntimeError, match="out must be"):
+        quant.matmul(torch.randn(2, 768), packed, out=torch.empty(2, 576))
+    with pytest.raises(RuntimeError, match="x must be"):
+        quant.matmul(torch.randn(2, 512), packed)
+    with pytest.raises(ValueError):
+        pack(raw[:, :-1], QuantType.Q8_0)
