@@ -3,8 +3,8 @@ softmax, and, for Qwen2-MoE, a shared expert scaled by a sigmoid gate.
 
 Experts are stored stacked, (E, 2I, H) for gate|up and (E, H, I) for down, so one step
 runs one GEMM pair per expert that received tokens: tokens are grouped by expert, each
-group goes through its expert as a batch, and the weighted outputs are added back in
-expert order (the order transformers adds them, so float32 results match it exactly).
+group goes through its expert as a batch, and each token's k weighted outputs are summed
+(for k = 2 the same float32 sum transformers forms, whatever the order).
 Under tensor parallelism every shard holds a slice of every expert's intermediate
 dimension, like a dense MLP; the router is replicated.
 """
@@ -42,27 +42,32 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This shard's partial sum of the experts' outputs (all-reduced by the caller)."""
+        t, k = x.shape[0], self.top_k
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        weights, chosen = torch.topk(probs, k, dim=-1)  # (T, k)
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         if not self.float32_weights:
             weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)  # (T*k,) grouped by expert, token order kept
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        picked_weights = weights.flatten()[order]
+        # (token, slot) pairs grouped by expert, each group one batch through its expert.
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()
+        xs = x[order // k]  # (T*k, H)
+        ys = torch.empty_like(xs)
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = tokens[start : start + n]
-            g, u = F.linear(x[rows], self.expert_gate_up[expert]).split(self.inter, dim=-1)
-            y = F.linear(activate(g, self.act) * u, self.expert_down[expert])
-            out.index_add_(0, rows, (y * picked_weights[start : start + n, None]).to(out.dtype))
+            rows = slice(start, start + n)
+            g, u = F.linear(xs[rows], self.expert_gate_up[expert]).split(self.inter, dim=-1)
+            ys[rows] = F.linear(activate(g, self.act) * u, self.expert_down[expert])
             start += n
+        ys = (ys * weights.flatten()[order, None]).to(x.dtype)
+        # Back to (token, slot) order by a gather (index_add_ on CPU goes row by row), then
+        # the k slots summed.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = ys[inverse].view(t, k, -1).sum(dim=1)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out += torch.sigmoid(self.shared_expert_gate(x)) * shared
