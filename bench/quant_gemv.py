@@ -8,7 +8,9 @@ over a whole model does. Then batched steps (T = 32/128/512): the kernels' autom
 choice against a float32 matmul on pre-dequantised weights, and the GEMV/tile crossover.
 The last line is JSON.
 
-    .venv/bin/python bench/quant_gemv.py          # about 2 minutes on 2 cores
+    .venv/bin/python bench/quant_gemv.py          # about 90 s on 2 cores
+
+Times are the best of several rounds, the least disturbed by other work on the machine.
 """
 
 import argparse
@@ -43,11 +45,12 @@ def random_raw(qtype: QuantType, n: int, k: int, rng: np.random.Generator) -> to
 
 
 def timed(fn, args_cycle, min_s: float = 0.3) -> float:
-    """Median seconds per call over rounds of calls that cycle through args_cycle."""
+    """Seconds per call in the best of several rounds of calls cycling through args_cycle:
+    the best round is the one least disturbed by other work on a shared machine."""
     for a in args_cycle[:2]:
         fn(*a)
     rounds = []
-    total, calls = 0.0, 0
+    total = 0.0
     while total < min_s or len(rounds) < 5:
         t0 = time.perf_counter()
         for a in args_cycle:
@@ -55,8 +58,7 @@ def timed(fn, args_cycle, min_s: float = 0.3) -> float:
         dt = (time.perf_counter() - t0) / len(args_cycle)
         rounds.append(dt)
         total += dt * len(args_cycle)
-        calls += len(args_cycle)
-    return float(np.median(rounds))
+    return min(rounds)
 
 
 def copies(nbytes: int) -> int:
@@ -111,7 +113,7 @@ def batched_row(qtype: QuantType, n: int, k: int, t: int, rng) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q6_K")
-    ap.add_argument("--crossover-t", default="1,2,4,6,8,12,16,24,32")
+    ap.add_argument("--crossover-t", default="1,2,4,8,12,16,24,32")
     args = ap.parse_args()
     if quant.load() is None:
         sys.exit("the quantised-weight kernels did not build")
@@ -123,7 +125,8 @@ def main() -> None:
         f"memory: copy {bw['copy_gbs']:.1f} GB/s (read + write), sum {bw['read_gbs']:.1f} GB/s (read)"
     )
     print(
-        f"\n{'type':6} {'N x K':>12} {'KB':>7} {'us':>8} {'GB/s':>6} {'bf16 us':>8} {'GB/s':>6} {'f32 us':>8} {'GB/s':>6}"
+        f"\n{'type':6} {'N x K':>12} {'KB':>7} {'us':>8} {'GB/s':>6} {'%read':>5}"
+        f" {'bf16 us':>8} {'GB/s':>6} {'f32 us':>8} {'GB/s':>6}"
     )
     gemv = []
     for qtype in types:
@@ -131,9 +134,11 @@ def main() -> None:
             if k % qtype.block_elems:
                 continue  # K-quants need K % 256 == 0; llama.cpp picks another type there
             r = gemv_row(qtype, n, k, rng)
+            r["of_read"] = r["gbs"] / bw["read_gbs"]
             gemv.append(r)
             print(
                 f"{r['type']:6} {f'{n}x{k}':>12} {r['bytes'] / 1024:7.0f} {r['us']:8.1f} {r['gbs']:6.1f}"
+                f" {100 * r['of_read']:4.0f}%"
                 f" {r['bf16_us']:8.1f} {r['bf16_gbs']:6.1f} {r['f32_us']:8.1f} {r['f32_gbs']:6.1f}"
             )
     print(

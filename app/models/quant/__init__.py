@@ -62,7 +62,8 @@ def _build_signature(portable: bool) -> str:
 
 def load(portable: bool = False) -> ModuleType | None:
     """The compiled kernels, or None. portable=True builds the plain-loop variant (no
-    intrinsics), which tests use to check the generic code on any CPU."""
+    intrinsics, 16-float vectors like AVX-512's), which tests use to check the generic
+    code at the other vector width on any CPU."""
     with _lock:
         if portable in _modules:
             return _modules[portable]
@@ -87,7 +88,7 @@ def _build(portable: bool) -> ModuleType | None:
             name=f"shoal_quant_kernels_{variant}_{_build_signature(portable)}",
             sources=[str(Path(__file__).with_name("kernels.cpp"))],
             extra_cflags=["-O3", "-march=native", "-fopenmp"]
-            + (["-DSHOAL_QUANT_PORTABLE"] if portable else []),
+            + (["-DSHOAL_QUANT_PORTABLE", "-DSHOAL_QUANT_PORTABLE_WIDTH=16"] if portable else []),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,10 +1,20 @@
 // The packed formats as the kernels see them (layouts: app/models/quant/packed_weight.py).
 //
-// Each format gives, per row n, its scales (`scales`: one per kSubs-th of a 32-weight
-// block, and with kOffset one additive term per block, both exact float products of the
-// file's fp16/int values) and its blocks as exact integer-valued floats (`decode`). A
-// weight is then scale * q (+ off), which is bit for bit gguf's dequantisation: every
-// product here fits a float's 24-bit mantissa, so the only rounding is the one numpy does.
+// Rows come in groups of kG = 4, interleaved unit by unit: for each 32-weight block the
+// four rows' quants lie side by side (one 64-byte line in the 4-bit types), and so do
+// their scales. A GEMV over a group then reads one sequential stream; with rows one after
+// another it read four short ones, which the hardware prefetchers follow badly (twice as
+// slow on 1536-wide rows, bench/quant_gemv.py).
+//
+// A format gives a group's scales (`scales`: s[(b * kSubs + j) * kG + r], one per kSubs-th
+// of block b of row r, and with kOffset an additive term off[b * kG + r]; both exact float
+// products of the file's fp16/int values) and any row's blocks as exact integer-valued
+// floats (`decode`). A weight is then s * q (+ off), bit for bit gguf's dequantisation:
+// every product fits a float's 24-bit mantissa, so the only rounding is the one numpy does.
+//
+// kGemvMaxT: up to this many rows of x, quant_matmul's automatic choice is the GEMV, past
+// it dequantised tiles and at::mm; where the two cross on AVX2 (Zen 3, 2 threads), as
+// bench/quant_gemv.py measures it. The K types decode slower, so their GEMV gives up sooner.
 #pragma once
 
 #include <torch/extension.h>
@@ -15,75 +25,98 @@
 
 namespace shoal_quant {
 
+constexpr int kG = 4;  // rows per interleaved group
+
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 inline const uint16_t* halves(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
 }
 
+// Offset of unit u of row n in an array of `units` units per row, `size` elements each.
+inline int64_t at_unit(int64_t n, int64_t u, int64_t units, int64_t size) {
+  return ((n / kG * units + u) * kG + n % kG) * size;
+}
+
 struct Q4_0 {  // w = d * (q - 8) = d * q + (-8 d)
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr int64_t kGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t* d;
   int64_t kb;
   Q4_0(const std::vector<at::Tensor>& p, int64_t k) : qs(p[0].data_ptr<uint8_t>()), d(halves(p[1])), kb(k / 32) {}
-  void scales(int64_t n, float* s, float* off) const {
-    halves_to_floats(d + n * kb, s, kb);
-    for (int64_t b = 0; b < kb; ++b) off[b] = -8.f * s[b];
+  void scales(int64_t g, float* s, float* off) const {
+    halves_to_floats(d + g * kb * kG, s, kb * kG);
+    scale_floats(s, -8.f, off, kb * kG);
   }
-  void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + (n * kb + b) * 16, v); }
+  void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + at_unit(n, b, kb, 16), v); }
 };
 
 struct Q4_1 {  // w = d * q + m
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr int64_t kGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t *d, *m;
   int64_t kb;
   Q4_1(const std::vector<at::Tensor>& p, int64_t k)
       : qs(p[0].data_ptr<uint8_t>()), d(halves(p[1])), m(halves(p[2])), kb(k / 32) {}
-  void scales(int64_t n, float* s, float* off) const {
-    halves_to_floats(d + n * kb, s, kb);
-    halves_to_floats(m + n * kb, off, kb);
+  void scales(int64_t g, float* s, float* off) const {
+    halves_to_floats(d + g * kb * kG, s, kb * kG);
+    halves_to_floats(m + g * kb * kG, off, kb * kG);
   }
-  void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + (n * kb + b) * 16, v); }
+  void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + at_unit(n, b, kb, 16), v); }
 };
 
 struct Q8_0 {  // w = d * q
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
+  static constexpr int64_t kGemvMaxT = 16;
   const int8_t* qs;
   const uint16_t* d;
   int64_t kb;
   Q8_0(const std::vector<at::Tensor>& p, int64_t k) : qs(p[0].data_ptr<int8_t>()), d(halves(p[1])), kb(k / 32) {}
-  void scales(int64_t n, float* s, float*) const { halves_to_floats(d + n * kb, s, kb); }
-  void decode(int64_t n, int64_t b, vf* v) const { decode_i8(qs + (n * kb + b) * 32, v); }
+  void scales(int64_t g, float* s, float*) const { halves_to_floats(d + g * kb * kG, s, kb * kG); }
+  void decode(int64_t n, int64_t b, vf* v) const { decode_i8(qs + at_unit(n, b, kb, 32), v); }
 };
+
+// The four rows' factors for one super-block, repeated to fill 8 lanes: multipliers for
+// 8 consecutive bytes of a (unit, row)-ordered array.
+inline void row_factors(const uint16_t* h, float sign, float* f8) {
+  for (int r = 0; r < kG; ++r) f8[r] = f8[r + kG] = sign * half_to_float(h[r]);
+}
 
 struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per 256
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr int64_t kGemvMaxT = 12;
   const uint8_t *qs, *sc, *mn;
   const uint16_t *d, *dmin;
   int64_t kb;
   Q4_K(const std::vector<at::Tensor>& p, int64_t k)
       : qs(p[0].data_ptr<uint8_t>()), sc(p[3].data_ptr<uint8_t>()), mn(p[4].data_ptr<uint8_t>()),
         d(halves(p[1])), dmin(halves(p[2])), kb(k / 32) {}
-  void scales(int64_t n, float* s, float* off) const {
-    const uint8_t *scr = sc + n * kb, *mnr = mn + n * kb;
-    for (int64_t j = 0; j < kb / 8; ++j) {  // per 256 weights
-      const float dj = half_to_float(d[n * (kb / 8) + j]), mj = -half_to_float(dmin[n * (kb / 8) + j]);
-      scale_u8x8(scr + 8 * j, dj, s + 8 * j);
-      scale_u8x8(mnr + 8 * j, mj, off + 8 * j);
+  void scales(int64_t g, float* s, float* off) const {
+    const int64_t ns = kb / 8;
+    float fd[8], fm[8];
+    for (int64_t j = 0; j < ns; ++j) {  // 8 blocks x 4 rows of bytes per super-block
+      row_factors(d + (g * ns + j) * kG, 1.f, fd);
+      row_factors(dmin + (g * ns + j) * kG, -1.f, fm);
+      const int64_t at = (g * kb + 8 * j) * kG;
+      for (int i = 0; i < 8 * kG; i += 8) {
+        mul_u8x8(sc + at + i, fd, s + 8 * j * kG + i);
+        mul_u8x8(mn + at + i, fm, off + 8 * j * kG + i);
+      }
     }
   }
-  void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + (n * kb + b) * 16, v); }
+  void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + at_unit(n, b, kb, 16), v); }
 };
 
 struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = false;
+  static constexpr int64_t kGemvMaxT = 12;
   const uint8_t *lo, *hi;
   const int8_t* sc;
   const uint16_t* d;
@@ -91,30 +124,29 @@ struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
   Q6_K(const std::vector<at::Tensor>& p, int64_t k)
       : lo(p[0].data_ptr<uint8_t>()), hi(p[1].data_ptr<uint8_t>()), sc(p[2].data_ptr<int8_t>()),
         d(halves(p[3])), kb(k / 32) {}
-  void scales(int64_t n, float* s, float*) const {
-    const int8_t* scr = sc + n * 2 * kb;
-    for (int64_t j = 0; j < kb / 8; ++j) {  // per 256 weights
-      const float dj = half_to_float(d[n * (kb / 8) + j]);
-      scale_i8x8(scr + 16 * j, dj, s + 16 * j);
-      scale_i8x8(scr + 16 * j + 8, dj, s + 16 * j + 8);
+  void scales(int64_t g, float* s, float*) const {
+    const int64_t ns = kb / 8;
+    float fd[8];
+    for (int64_t j = 0; j < ns; ++j) {  // 16 scales x 4 rows per super-block
+      row_factors(d + (g * ns + j) * kG, 1.f, fd);
+      const int64_t at = (g * 2 * kb + 16 * j) * kG;
+      for (int i = 0; i < 16 * kG; i += 8) mul_i8x8(sc + at + i, fd, s + 16 * j * kG + i);
     }
   }
   void decode(int64_t n, int64_t b, vf* v) const {
-    const int64_t blk = n * kb + b;
-    decode_q6(lo + blk * 16, hi + blk * 8, v);
+    decode_q6(lo + at_unit(n, b, kb, 16), hi + at_unit(n, b, kb, 8), v);
   }
-};
-
-struct PartSpec {
-  at::ScalarType dtype;
-  int64_t per_row_div;  // columns = k / per_row_div (k * 1 for Q8_0's quants)
 };
 
 // Checks the parts' dtypes and shapes against the format, then calls fn(format).
 template <class Fn>
 void with_format(int64_t qtype, const std::vector<at::Tensor>& p, int64_t n, int64_t k, Fn&& fn) {
   using S = at::ScalarType;
-  std::vector<PartSpec> spec;
+  struct Spec {
+    S dtype;
+    int64_t weights_per_element;  // columns per row = k / this
+  };
+  std::vector<Spec> spec;
   switch (qtype) {
     case kQ4_0: spec = {{S::Byte, 2}, {S::Half, 32}}; break;
     case kQ4_1: spec = {{S::Byte, 2}, {S::Half, 32}, {S::Half, 32}}; break;
@@ -126,11 +158,12 @@ void with_format(int64_t qtype, const std::vector<at::Tensor>& p, int64_t n, int
   const int64_t block = (qtype == kQ4_K || qtype == kQ6_K) ? 256 : 32;
   TORCH_CHECK(k > 0 && k % block == 0, "K=", k, " is not a multiple of ", block);
   TORCH_CHECK(p.size() == spec.size(), "GGML type ", qtype, " has ", spec.size(), " parts, got ", p.size());
+  const int64_t groups = (n + kG - 1) / kG;
   for (size_t i = 0; i < p.size(); ++i) {
-    const int64_t cols = k / spec[i].per_row_div;
+    const int64_t cols = kG * k / spec[i].weights_per_element;
     TORCH_CHECK(p[i].device().is_cpu() && p[i].scalar_type() == spec[i].dtype && p[i].dim() == 2 &&
-                    p[i].size(0) == n && p[i].size(1) == cols && p[i].is_contiguous(),
-                "part ", i, " of GGML type ", qtype, ": expected contiguous (", n, ", ", cols, ") ",
+                    p[i].size(0) == groups && p[i].size(1) == cols && p[i].is_contiguous(),
+                "part ", i, " of GGML type ", qtype, ": expected contiguous (", groups, ", ", cols, ") ",
                 spec[i].dtype, ", got ", p[i].sizes(), " ", p[i].scalar_type());
   }
   switch (qtype) {

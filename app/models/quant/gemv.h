@@ -6,9 +6,9 @@
 // x (sum_i m x_i = m sum_i x_i), precomputed per call. Activations stay float32: the
 // result differs from exact dequantisation + float matmul only in summation order.
 //
-// Weight rows go in groups of R (4 for one or two rows of x, 2 for up to four): the group
-// shares each x load, gives the FMA units R independent chains, and R horizontal sums
-// reduce together. Rows of W are split over threads.
+// Work goes by row group (formats.h): threads split the groups, and within one the rows
+// are taken R at a time (4 for one or two rows of x, 2 for up to four, else 1), so R rows
+// share each x load, give the FMA units R independent chains, and reduce together.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -16,20 +16,20 @@
 #include <algorithm>
 #include <vector>
 
+#include "formats.h"
 #include "simd.h"
 
 namespace shoal_quant {
 
-constexpr int kMaxT = 8;  // rows of x held in registers per pass over a weight row
+constexpr int kMaxT = 8;  // rows of x held in registers per pass over a row group
 
 constexpr int group_rows(int tt) { return tt <= 2 ? 4 : tt <= 4 ? 2 : 1; }
 
-// R weight rows from n0 (scales ls apart, offsets kbp apart) against TT rows of x (ldx
-// apart, their block sums sx kbp apart); res is (R, TT). off and sx are zero-padded to
-// whole vectors, so the offset terms join the same accumulators.
+// Rows r0..r0+R-1 of group g against TT rows of x (ldx apart), scales from F::scales:
+// res[r * TT + t] = the row's dot product without its offset terms.
 template <int R, int TT, class F>
-void gemv_rows(const F& f, int64_t n0, int64_t kb, const float* x, int64_t ldx, const float* scale, int64_t ls,
-               const float* off, const float* sx, int64_t kbp, float* res) {
+void gemv_rows(const F& f, int64_t g, int r0, int64_t kb, const float* x, int64_t ldx, const float* scale,
+               float* res) {
   constexpr int per = kNV / F::kSubs;  // vectors per scale
   vf acc[R][TT];
   for (int r = 0; r < R; ++r)
@@ -38,9 +38,9 @@ void gemv_rows(const F& f, int64_t n0, int64_t kb, const float* x, int64_t ldx, 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       vf q[kNV];
-      f.decode(n0 + r, b, q);
+      f.decode(g * kG + r0 + r, b, q);
       for (int s = 0; s < F::kSubs; ++s) {
-        const vf sc = vset1(scale[r * ls + b * F::kSubs + s]);
+        const vf sc = vset1(scale[(b * F::kSubs + s) * kG + r0 + r]);
         const float* xb = x + b * 32 + s * per * kW;
 #pragma GCC unroll 8
         for (int t = 0; t < TT; ++t) {
@@ -52,10 +52,6 @@ void gemv_rows(const F& f, int64_t n0, int64_t kb, const float* x, int64_t ldx, 
       }
     }
   }
-  if constexpr (F::kOffset)
-    for (int64_t i = 0; i < kbp; i += kW)
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < TT; ++t) acc[r][t] = vfma(vload(off + r * kbp + i), vload(sx + t * kbp + i), acc[r][t]);
   for (int t = 0; t < TT; ++t) {
     if constexpr (R == 4) {
       const vf four[4] = {acc[0][t], acc[1][t], acc[2][t], acc[3][t]};
@@ -69,51 +65,63 @@ void gemv_rows(const F& f, int64_t n0, int64_t kb, const float* x, int64_t ldx, 
 }
 
 template <class F>
-using RowsFn = void (*)(const F&, int64_t, int64_t, const float*, int64_t, const float*, int64_t, const float*,
-                        const float*, int64_t, float*);
+using RowsFn = void (*)(const F&, int64_t, int, int64_t, const float*, int64_t, const float*, float*);
 
-// (R = group_rows(TT), TT) for TT = 1..8, then (1, TT): the kernels a call can need.
 template <class F>
-struct GemvTable {
-  static constexpr RowsFn<F> grouped[kMaxT] = {
-      &gemv_rows<group_rows(1), 1, F>, &gemv_rows<group_rows(2), 2, F>, &gemv_rows<group_rows(3), 3, F>,
-      &gemv_rows<group_rows(4), 4, F>, &gemv_rows<1, 5, F>,             &gemv_rows<1, 6, F>,
-      &gemv_rows<1, 7, F>,             &gemv_rows<1, 8, F>};
-  static constexpr RowsFn<F> single[kMaxT] = {&gemv_rows<1, 1, F>, &gemv_rows<1, 2, F>, &gemv_rows<1, 3, F>,
-                                              &gemv_rows<1, 4, F>, &gemv_rows<1, 5, F>, &gemv_rows<1, 6, F>,
-                                              &gemv_rows<1, 7, F>, &gemv_rows<1, 8, F>};
-};
+constexpr RowsFn<F> kRowsFn[kMaxT] = {&gemv_rows<group_rows(1), 1, F>, &gemv_rows<group_rows(2), 2, F>,
+                                      &gemv_rows<group_rows(3), 3, F>, &gemv_rows<group_rows(4), 4, F>,
+                                      &gemv_rows<1, 5, F>,             &gemv_rows<1, 6, F>,
+                                      &gemv_rows<1, 7, F>,             &gemv_rows<1, 8, F>};
+
+// res[r * tt + t] += sum_b off[b * kG + r] * sx[t * kb + b]: a group's Q4 offset terms.
+// sxe repeats each block's x-sum kG times ((T, kb * kG), like off's (block, row) order),
+// so each vector op covers kW / kG blocks of all kG rows, and lane l belongs to row l % kG.
+inline void add_offsets(const float* off, const float* sxe, int64_t n, int64_t tt, float* res) {
+  for (int64_t t = 0; t < tt; ++t) {
+    const float* s = sxe + t * n;
+    vf a0 = vzero(), a1 = vzero();  // two chains: one would wait out each FMA's latency
+    int64_t i = 0;
+    for (; i + 2 * kW <= n; i += 2 * kW) {
+      a0 = vfma(vload(off + i), vload(s + i), a0);
+      a1 = vfma(vload(off + i + kW), vload(s + i + kW), a1);
+    }
+    for (; i + kW <= n; i += kW) a0 = vfma(vload(off + i), vload(s + i), a0);
+    float lanes[kW], o[kG] = {};
+    vstore(lanes, vadd(a0, a1));
+    for (int l = 0; l < kW; ++l) o[l % kG] += lanes[l];
+    for (; i < n; ++i) o[i % kG] += off[i] * s[i];
+    for (int r = 0; r < kG; ++r) res[r * tt + t] += o[r];
+  }
+}
 
 // x is (T, K) contiguous float32; out (T, N) with rows ldo apart.
 template <class F, class O>
 void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo) {
-  const int64_t kb = K / 32, kbp = (kb + kW - 1) / kW * kW, ls = kb * F::kSubs;
-  std::vector<float> sx(F::kOffset ? T * kbp : 0, 0.f);  // (T, kbp): sums of x per 32-block
-  if (F::kOffset)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < kb; ++b) {
-        vf s = vzero();
-        for (int j = 0; j < kNV; ++j) s = vadd(s, vload(x + t * K + b * 32 + j * kW));
-        sx[t * kbp + b] = vsum(s);
-      }
-  // Past kMaxT rows of x, each pass over a weight group reads it from L1, not memory.
-  const int R = T <= kMaxT ? group_rows(int(T)) : 1;
+  const int64_t kb = K / 32, groups = (N + kG - 1) / kG;
+  std::vector<float> sxe(F::kOffset ? T * kb * kG : 0);  // (T, kb, kG): sums of x per block
+  for (int64_t i = 0; i < int64_t(sxe.size()) / kG; ++i) {
+    vf s = vzero();
+    for (int j = 0; j < kNV; ++j) s = vadd(s, vload(x + i * 32 + j * kW));
+    const float sum = vsum(s);
+    for (int r = 0; r < kG; ++r) sxe[i * kG + r] = sum;
+  }
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
-  const int64_t grain = std::max<int64_t>(R, (int64_t(1) << 16) / K);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scale(kMaxT * ls), off(F::kOffset ? kMaxT * kbp : 0, 0.f);
-    float res[4 * kMaxT];
-    for (int64_t n0 = begin; n0 < end;) {
-      const int64_t rows = end - n0 >= R ? R : 1;
-      for (int64_t r = 0; r < rows; ++r) f.scales(n0 + r, scale.data() + r * ls, off.data() + r * kbp);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(kb * F::kSubs * kG), off(F::kOffset ? kb * kG : 0);
+    float res[kG * kMaxT];
+    for (int64_t g = begin; g < end; ++g) {
+      const int rows = int(std::min<int64_t>(kG, N - g * kG));  // the last group may be padded
+      f.scales(g, scale.data(), off.data());
+      // Past kMaxT rows of x, each pass over the group reads it from L1, not memory.
       for (int64_t t0 = 0; t0 < T; t0 += kMaxT) {
-        const int64_t tt = std::min<int64_t>(kMaxT, T - t0);
-        const RowsFn<F> fn = rows == R ? GemvTable<F>::grouped[tt - 1] : GemvTable<F>::single[tt - 1];
-        fn(f, n0, kb, x + t0 * K, K, scale.data(), ls, off.data(), sx.data() + t0 * kbp, kbp, res);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t t = 0; t < tt; ++t) out[(t0 + t) * ldo + n0 + r] = static_cast<O>(res[r * tt + t]);
+        const int tt = int(std::min<int64_t>(kMaxT, T - t0));
+        for (int r0 = 0; r0 < rows; r0 += group_rows(tt))  // padded rows are zeros: safe to read
+          kRowsFn<F>[tt - 1](f, g, r0, kb, x + t0 * K, K, scale.data(), res + r0 * tt);
+        if constexpr (F::kOffset) add_offsets(off.data(), sxe.data() + t0 * kb * kG, kb * kG, tt, res);
+        for (int r = 0; r < rows; ++r)
+          for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + g * kG + r] = static_cast<O>(res[r * tt + t]);
       }
-      n0 += rows;
     }
   });
 }

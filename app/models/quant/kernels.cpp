@@ -7,8 +7,9 @@
 // each weight byte once per call. Many rows (prefill, big batches): each thread
 // dequantises a tile of W's rows into float32 scratch and hands it to at::mm, where the
 // multiply, not the weights' bytes, sets the pace. bench/quant_gemv.py measures where
-// one overtakes the other (kGemvMaxT).
+// one overtakes the other (kGemvMaxT in formats.h).
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -22,21 +23,22 @@ namespace {
 using namespace shoal_quant;
 using at::Tensor;
 
-constexpr int64_t kGemvMaxT = 8;  // auto mode: GEMV up to this many rows (bench/quant_gemv.py)
-
-// One row of W as exact floats: scale * q (+ off), the same roundings gguf's numpy does.
+// Rows r0..r1-1 of group g as exact floats (scale * q + off, gguf's roundings) into dst,
+// one row per K floats; scale and off from F::scales(g).
 template <class F>
-void dequant_row(const F& f, int64_t n, int64_t kb, float* scale, float* off, float* dst) {
+void dequant_rows(const F& f, int64_t g, int r0, int r1, int64_t kb, const float* scale, const float* off,
+                  float* dst) {
   constexpr int per = kNV / F::kSubs;
-  f.scales(n, scale, off);
-  for (int64_t b = 0; b < kb; ++b) {
-    vf q[kNV];
-    f.decode(n, b, q);
-    for (int s = 0; s < F::kSubs; ++s) {
-      const vf sc = vset1(scale[b * F::kSubs + s]);
-      for (int i = 0; i < per; ++i) {
-        const int j = s * per + i;
-        vstore(dst + b * 32 + j * kW, F::kOffset ? vfma(sc, q[j], vset1(off[b])) : vmul(sc, q[j]));
+  for (int r = r0; r < r1; ++r, dst += kb * 32) {
+    for (int64_t b = 0; b < kb; ++b) {
+      vf q[kNV];
+      f.decode(g * kG + r, b, q);
+      for (int s = 0; s < F::kSubs; ++s) {
+        const vf sc = vset1(scale[(b * F::kSubs + s) * kG + r]);
+        for (int i = 0; i < per; ++i) {
+          const int j = s * per + i;
+          vstore(dst + b * 32 + j * kW, F::kOffset ? vfma(sc, q[j], vset1(off[b * kG + r])) : vmul(sc, q[j]));
+        }
       }
     }
   }
@@ -45,17 +47,33 @@ void dequant_row(const F& f, int64_t n, int64_t kb, float* scale, float* off, fl
 template <class F>
 void tiled(const F& f, int64_t N, int64_t K, const Tensor& xf, Tensor& out, int64_t tile_rows) {
   const int64_t kb = K / 32, T = xf.size(0);
-  // ~256 KiB of float32 per tile: it stays in L2 while at::mm reads it T/rows times.
-  const int64_t rows = tile_rows > 0 ? tile_rows : std::clamp<int64_t>((int64_t(1) << 16) / K / 16 * 16, 16, 256);
+  int64_t rows = tile_rows;
+  if (rows <= 0) {
+    // Tiles of ~512 KiB of float32 (wider ones multiply better, narrower stay in cache),
+    // in a count the threads share evenly.
+    const int64_t threads = at::get_num_threads(), target = std::clamp<int64_t>((int64_t(1) << 17) / K, 16, 256);
+    int64_t tiles = (N + target - 1) / target;
+    tiles = (tiles + threads - 1) / threads * threads;
+    rows = (N + tiles - 1) / tiles;
+  }
+  rows = (rows + kG - 1) / kG * kG;  // whole row groups
   const int64_t tiles = (N + rows - 1) / rows;
   const bool direct = out.scalar_type() == at::kFloat;  // else via float32, then rounded once
+  // InferenceMode is thread-local: the worker threads take the caller's, or at::mm_out into
+  // an inference tensor (the engine's forward runs in inference mode) is refused.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scale(kb * F::kSubs), off(F::kOffset ? kb : 0);
+    c10::InferenceMode guard(inference);
+    std::vector<float> scale(kb * F::kSubs * kG), off(F::kOffset ? kb * kG : 0);
     Tensor tile = at::empty({rows, K}, xf.options());
     float* w = tile.data_ptr<float>();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * rows, r = std::min(rows, N - n0);
-      for (int64_t j = 0; j < r; ++j) dequant_row(f, n0 + j, kb, scale.data(), off.data(), w + j * K);
+      for (int64_t g = n0 / kG; g * kG < n0 + r; ++g) {
+        f.scales(g, scale.data(), off.data());
+        dequant_rows(f, g, 0, int(std::min<int64_t>(kG, N - g * kG)), kb, scale.data(), off.data(),
+                     w + (g * kG - n0) * K);
+      }
       Tensor dst = direct ? out.narrow(1, n0, r) : at::empty({T, r}, xf.options());
       at::mm_out(dst, xf, tile.narrow(0, 0, r).t());
       if (!direct) out.narrow(1, n0, r).copy_(dst);
@@ -69,7 +87,7 @@ void check_float(const Tensor& t, const char* what) {
               " must be a float32, bfloat16 or float16 CPU tensor, got ", s);
 }
 
-// mode: 0 picks by T (GEMV up to kGemvMaxT rows), 1 forces GEMV, 2 forces tiles.
+// mode: 0 picks by T (GEMV up to the format's kGemvMaxT rows), 1 forces GEMV, 2 forces tiles.
 void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
                   Tensor out, int64_t mode, int64_t tile_rows) {
   check_float(x, "x");
@@ -82,7 +100,8 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
   with_format(qtype, parts, n, k, [&](const auto& f) {
     if (T == 0 || n == 0) return;
     const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
-    if (mode == 2 || (mode == 0 && T > kGemvMaxT)) {
+    using F = std::decay_t<decltype(f)>;
+    if (mode == 2 || (mode == 0 && T > F::kGemvMaxT)) {
       tiled(f, n, k, xf, out, tile_rows);
       return;
     }
@@ -107,15 +126,29 @@ void quant_embedding(const Tensor& ids, int64_t qtype, const std::vector<Tensor>
     const int64_t kb = k / 32;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_embedding", [&] {
       at::parallel_for(0, idc.size(0), 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> scale(kb * F::kSubs), off(F::kOffset ? kb : 0), row(k);
+        std::vector<float> scale(kb * F::kSubs * kG), off(F::kOffset ? kb * kG : 0), row(k);
         for (int64_t i = begin; i < end; ++i) {
-          dequant_row(f, id[i], kb, scale.data(), off.data(), row.data());
+          const int64_t g = id[i] / kG;
+          const int r = int(id[i] % kG);
+          f.scales(g, scale.data(), off.data());
+          dequant_rows(f, g, r, r + 1, kb, scale.data(), off.data(), row.data());
           scalar_t* dst = out.data_ptr<scalar_t>() + i * out.stride(0);
           for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<scalar_t>(row[j]);
         }
       });
     });
   });
+}
+
+int64_t gemv_max_t(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return Q4_0::kGemvMaxT;
+    case kQ4_1: return Q4_1::kGemvMaxT;
+    case kQ8_0: return Q8_0::kGemvMaxT;
+    case kQ4_K: return Q4_K::kGemvMaxT;
+    case kQ6_K: return Q6_K::kGemvMaxT;
+    default: TORCH_CHECK(false, "unsupported GGML type ", qtype);
+  }
 }
 
 }  // namespace
@@ -126,5 +159,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("mode") = 0, pybind11::arg("tile_rows") = 0);
   m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised");
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
-  m.def("gemv_max_t", [] { return kGemvMaxT; }, "rows of x up to which quant_matmul runs the GEMV");
+  m.def("gemv_max_t", &gemv_max_t, "rows of x up to which quant_matmul picks the GEMV for a GGML type");
 }

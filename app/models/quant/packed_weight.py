@@ -1,8 +1,10 @@
 """PackedWeight: one quantised (N, K) matrix in the layout the kernels read.
 
-Every part is a contiguous tensor whose first dimension is the row, so a slice of rows
-(a tensor-parallel shard, or one of the q/k/v segments of a fused projection) is a
-PackedWeight of its own without copying.
+Rows go in groups of GROUP = 4, interleaved unit by unit (per 32-weight block the four
+rows' quants side by side, likewise their scales), so the GEMV streams one sequential
+array instead of four short runs (formats.h says why). Every part is (ceil(N / 4),
+4 * columns); the last group is padded with zero rows. A slice of whole groups (a
+tensor-parallel shard) is a PackedWeight of its own without copying.
 """
 
 from dataclasses import dataclass
@@ -11,7 +13,10 @@ import torch
 
 from app.models.quant.formats import QuantType
 
-# The parts of each type, in the order the C++ kernels take them (shapes per row of K):
+GROUP = 4  # rows per interleaved group (kG in formats.h)
+
+# The parts of each type, in the order the C++ kernels take them (per row of K weights,
+# before interleaving):
 #   qs/lo  weights in "nibble order": per 32 weights 16 bytes, byte j = w[j] | w[j+16] << 4
 #   hi     Q6_K high bit pairs: per 32 weights 8 bytes, byte j bits 2i..2i+1 = w[j + 8i] >> 4
 #   d, m, dmin fp16 scales (per 32 weights, or per 256 in the K types)
@@ -40,9 +45,11 @@ class PackedWeight:
         return sum(p.numel() * p.element_size() for p in self.parts)
 
     def rows(self, start: int, stop: int) -> "PackedWeight":
-        """Rows [start, stop) as views of the same storage."""
+        """Rows [start, stop) as views of the same storage: start a multiple of GROUP, and
+        stop too unless it is the last row."""
         if not 0 <= start <= stop <= self.n:
             raise ValueError(f"rows [{start}, {stop}) outside 0..{self.n}")
-        return PackedWeight(
-            self.qtype, stop - start, self.k, tuple(p[start:stop] for p in self.parts)
-        )
+        if start % GROUP or (stop % GROUP and stop != self.n):
+            raise ValueError(f"rows [{start}, {stop}) split a group of {GROUP}")
+        g0, g1 = start // GROUP, -(-stop // GROUP)
+        return PackedWeight(self.qtype, stop - start, self.k, tuple(p[g0:g1] for p in self.parts))

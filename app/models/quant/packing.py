@@ -1,15 +1,16 @@
 """pack/unpack between GGUF rows and the kernels' layout (PackedWeight), losslessly.
 
 Repacking separates scales from quants so the kernels load 16 or 32 weight bytes at a
-time, and gives every 4-bit type the same nibble order (Q4_0/Q4_1's own), so one decoder
-serves Q4_0, Q4_1 and Q4_K. Sizes match the file's except Q4_K, whose 6-bit scales and
-mins take a byte each: 148 bytes per 256 weights instead of 144 (+2.8 %).
+time, gives every 4-bit type the same nibble order (Q4_0/Q4_1's own), so one decoder
+serves Q4_0, Q4_1 and Q4_K, and interleaves rows in groups of four (packed_weight.py).
+Sizes match the file's except Q4_K, whose 6-bit scales and mins take a byte each: 148
+bytes per 256 weights instead of 144 (+2.8 %), and up to three zero rows of padding.
 """
 
 import torch
 
 from app.models.quant.formats import QuantType, dequantize
-from app.models.quant.packed_weight import PackedWeight
+from app.models.quant.packed_weight import GROUP, PackedWeight
 
 
 def _halves(b: torch.Tensor) -> torch.Tensor:
@@ -20,6 +21,19 @@ def _halves(b: torch.Tensor) -> torch.Tensor:
 def _bytes(h: torch.Tensor) -> torch.Tensor:
     """(...) float16 -> (..., 2) uint8."""
     return h.contiguous().unsqueeze(-1).view(torch.uint8)
+
+
+def _interleave(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """(N, C) -> (ceil(N / GROUP), GROUP * C): per group, unit u of every row, then u + 1."""
+    n, c = t.shape
+    t = torch.cat([t, t.new_zeros((-n % GROUP, c))])  # (N', C)
+    return t.reshape(-1, GROUP, c // unit, unit).transpose(1, 2).reshape(-1, GROUP * c).contiguous()
+
+
+def _deinterleave(t: torch.Tensor, unit: int, n: int) -> torch.Tensor:
+    """The inverse of _interleave: (groups, GROUP * C) -> (n, C)."""
+    c = t.shape[1] // GROUP
+    return t.reshape(-1, c // unit, GROUP, unit).transpose(1, 2).reshape(-1, c)[:n]
 
 
 def _to_nibbles(v: torch.Tensor) -> torch.Tensor:
@@ -45,12 +59,16 @@ def pack(raw: torch.Tensor, qtype: QuantType, k: int | None = None) -> PackedWei
             f"rows of {raw.shape[1]} bytes hold {k_inferred} {qtype.name} weights, not {k}"
         )
     blocks = raw.reshape(n, nb, qtype.block_bytes)
-    return PackedWeight(qtype, n, k_inferred, _PACK[qtype](blocks, n))
+    rows = _PACK[qtype](blocks, n)  # each (N, C), row by row
+    parts = tuple(_interleave(p, u) for p, u in zip(rows, UNITS[qtype], strict=True))
+    return PackedWeight(qtype, n, k_inferred, parts)
 
 
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """The inverse of pack: the GGUF's bytes, (N, row_bytes) uint8."""
-    blocks = _UNPACK[packed.qtype](packed)
+    units = UNITS[packed.qtype]
+    rows = tuple(_deinterleave(p, u, packed.n) for p, u in zip(packed.parts, units, strict=True))
+    blocks = _UNPACK[packed.qtype](rows, packed.n)
     return blocks.reshape(packed.n, -1).contiguous()
 
 
@@ -63,27 +81,27 @@ def _pack_q4_0(b, n):  # (N, KB, 18): d, 16 nibble bytes
     return (b[..., 2:].reshape(n, -1).contiguous(), _halves(b[..., :2]))
 
 
-def _unpack_q4_0(p):
-    qs, d = p.parts
-    return torch.cat([_bytes(d), qs.reshape(p.n, -1, 16)], dim=-1)
+def _unpack_q4_0(parts, n):
+    qs, d = parts
+    return torch.cat([_bytes(d), qs.reshape(n, -1, 16)], dim=-1)
 
 
 def _pack_q4_1(b, n):  # (N, KB, 20): d, m, 16 nibble bytes
     return (b[..., 4:].reshape(n, -1).contiguous(), _halves(b[..., :2]), _halves(b[..., 2:4]))
 
 
-def _unpack_q4_1(p):
-    qs, d, m = p.parts
-    return torch.cat([_bytes(d), _bytes(m), qs.reshape(p.n, -1, 16)], dim=-1)
+def _unpack_q4_1(parts, n):
+    qs, d, m = parts
+    return torch.cat([_bytes(d), _bytes(m), qs.reshape(n, -1, 16)], dim=-1)
 
 
 def _pack_q8_0(b, n):  # (N, KB, 34): d, 32 int8
     return (b[..., 2:].reshape(n, -1).contiguous().view(torch.int8), _halves(b[..., :2]))
 
 
-def _unpack_q8_0(p):
-    qs, d = p.parts
-    return torch.cat([_bytes(d), qs.view(torch.uint8).reshape(p.n, -1, 32)], dim=-1)
+def _unpack_q8_0(parts, n):
+    qs, d = parts
+    return torch.cat([_bytes(d), qs.view(torch.uint8).reshape(n, -1, 32)], dim=-1)
 
 
 def _pack_q4_k(b, n):  # (N, NS, 144): d, dmin, 12 scale bytes, 128 nibble bytes
@@ -103,15 +121,15 @@ def _pack_q4_k(b, n):  # (N, NS, 144): d, dmin, 12 scale bytes, 128 nibble bytes
     )
 
 
-def _unpack_q4_k(p):
-    qs, d, dmin, sc, mn = p.parts
-    sc, mn = sc.reshape(p.n, -1, 8), mn.reshape(p.n, -1, 8)
+def _unpack_q4_k(parts, n):
+    qs, d, dmin, sc, mn = parts
+    sc, mn = sc.reshape(n, -1, 8), mn.reshape(n, -1, 8)
     lo = sc[..., :4] | ((sc[..., 4:] & 48) << 2)
     mid = mn[..., :4] | ((mn[..., 4:] & 48) << 2)
     top = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
-    values = _from_nibbles(qs.reshape(p.n, -1, 16)).reshape(p.n, -1, 4, 2, 32)
+    values = _from_nibbles(qs.reshape(n, -1, 16)).reshape(n, -1, 4, 2, 32)
     q = values[..., 0, :] | (values[..., 1, :] << 4)  # (N, NS, 4, 32)
-    return torch.cat([_bytes(d), _bytes(dmin), lo, mid, top, q.reshape(p.n, -1, 128)], dim=-1)
+    return torch.cat([_bytes(d), _bytes(dmin), lo, mid, top, q.reshape(n, -1, 128)], dim=-1)
 
 
 def _pack_q6_k(b, n):  # (N, NS, 210): 128 low-nibble bytes, 64 high-pair bytes, 16 sc, d
@@ -135,25 +153,34 @@ def _pack_q6_k(b, n):  # (N, NS, 210): 128 low-nibble bytes, 64 high-pair bytes,
     )
 
 
-def _unpack_q6_k(p):
-    lo, hi, sc, d = p.parts
-    low = _from_nibbles(lo.reshape(p.n, -1, 16))  # (N, K/32, 32)
-    h = hi.reshape(p.n, -1, 1, 8)
-    pairs = torch.cat([(h >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(p.n, -1, 32)
-    values = (low | (pairs << 4)).reshape(p.n, -1, 2, 128)
+def _unpack_q6_k(parts, n):
+    lo, hi, sc, d = parts
+    low = _from_nibbles(lo.reshape(n, -1, 16))  # (N, K/32, 32)
+    h = hi.reshape(n, -1, 1, 8)
+    pairs = torch.cat([(h >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(n, -1, 32)
+    values = (low | (pairs << 4)).reshape(n, -1, 2, 128)
     ql = (values[..., :64] & 15) | ((values[..., 64:] & 15) << 4)  # (N, NS, 2, 64)
-    hv = (values >> 4).reshape(p.n, -1, 2, 4, 32)
+    hv = (values >> 4).reshape(n, -1, 2, 4, 32)
     qh = hv[..., 0, :] | (hv[..., 1, :] << 2) | (hv[..., 2, :] << 4) | (hv[..., 3, :] << 6)
     return torch.cat(
         [
-            ql.reshape(p.n, -1, 128),
-            qh.reshape(p.n, -1, 64),
-            sc.view(torch.uint8).reshape(p.n, -1, 16),
+            ql.reshape(n, -1, 128),
+            qh.reshape(n, -1, 64),
+            sc.view(torch.uint8).reshape(n, -1, 16),
             _bytes(d),
         ],
         dim=-1,
     )
 
+
+# Interleaving unit of each part, in elements: a block's (or sub-block's) share of a row.
+UNITS = {
+    QuantType.Q4_0: (16, 1),
+    QuantType.Q4_1: (16, 1, 1),
+    QuantType.Q8_0: (32, 1),
+    QuantType.Q4_K: (16, 1, 1, 1, 1),
+    QuantType.Q6_K: (16, 8, 1, 1),
+}
 
 _PACK = {
     QuantType.Q4_0: _pack_q4_0,

@@ -1,8 +1,8 @@
 // Vector layer and block decoders for the quantised-weight kernels (kernels.cpp).
 //
 // Three builds of the same kernels: AVX-512 (16 floats per vector), AVX2+FMA (8), and a
-// portable one (plain loops over 8 floats; SHOAL_QUANT_PORTABLE forces it, so tests
-// check the generic code on any machine). Everything ISA-specific lives here: the
+// portable one (plain loops; SHOAL_QUANT_PORTABLE forces it, so tests check the generic
+// code on any machine). Everything ISA-specific lives here: the
 // kernels see `vf`, a handful of float ops, and three decoders that turn one 32-weight
 // block into exact floats in natural order (kNV vectors).
 #pragma once
@@ -143,10 +143,16 @@ inline void decode_q6(const uint8_t* lo, const uint8_t* hi, vf* v) {
 }
 
 #else
-constexpr int kW = 8;
+// Plain loops over SHOAL_QUANT_PORTABLE_WIDTH floats: the build uses 16 in tests, the
+// AVX-512 geometry, so the generic kernels are checked at both widths on an AVX2 machine.
+#ifndef SHOAL_QUANT_PORTABLE_WIDTH
+#define SHOAL_QUANT_PORTABLE_WIDTH 8
+#endif
+constexpr int kW = SHOAL_QUANT_PORTABLE_WIDTH;
+static_assert(kW == 8 || kW == 16, "32-weight blocks fill whole vectors");
 constexpr const char* kIsa = "portable";
 struct vf {
-  float v[8];
+  float v[kW];
 };
 inline vf vzero() { return vf{}; }
 inline vf vload(const float* p) {
@@ -161,15 +167,15 @@ inline vf vset1(float a) {
   return r;
 }
 inline vf vmul(vf a, vf b) {
-  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
+  for (int i = 0; i < kW; ++i) a.v[i] *= b.v[i];
   return a;
 }
 inline vf vadd(vf a, vf b) {
-  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  for (int i = 0; i < kW; ++i) a.v[i] += b.v[i];
   return a;
 }
 inline vf vfma(vf a, vf b, vf c) {
-  for (int i = 0; i < 8; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+  for (int i = 0; i < kW; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
   return c;
 }
 inline float vsum(vf a) {
@@ -181,22 +187,20 @@ inline void vsum4(const vf* a, float* out) {
   for (int i = 0; i < 4; ++i) out[i] = vsum(a[i]);
 }
 
+// Weight j of a block goes to lane j % kW of vector j / kW.
 inline void decode_nib(const uint8_t* q, vf* v) {
-  for (int j = 0; j < 16; ++j) {
-    v[j / 8].v[j % 8] = float(q[j] & 15);
-    v[2 + j / 8].v[j % 8] = float(q[j] >> 4);
-  }
+  for (int j = 0; j < 32; ++j) v[j / kW].v[j % kW] = float(j < 16 ? q[j] & 15 : q[j - 16] >> 4);
 }
 
 inline void decode_i8(const int8_t* q, vf* v) {
-  for (int j = 0; j < 32; ++j) v[j / 8].v[j % 8] = float(q[j]);
+  for (int j = 0; j < 32; ++j) v[j / kW].v[j % kW] = float(q[j]);
 }
 
 inline void decode_q6(const uint8_t* lo, const uint8_t* hi, vf* v) {
   for (int j = 0; j < 32; ++j) {
     const int low = j < 16 ? lo[j] & 15 : lo[j - 16] >> 4;
     const int top = (hi[j % 8] >> (2 * (j / 8))) & 3;
-    v[j / 8].v[j % 8] = float((low | (top << 4)) - 32);
+    v[j / kW].v[j % kW] = float((low | (top << 4)) - 32);
   }
 }
 #endif
@@ -211,24 +215,31 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// dst[i] = scale * src[i] for 8 bytes (unsigned / signed): the K types' sub-block scales.
+// dst[i] = f[i] * src[i] for 8 bytes (unsigned / signed): the K types' sub-block scales.
 // Explicit, because stores to float* may alias uint8_t loads and so never vectorise.
-inline void scale_u8x8(const uint8_t* src, float scale, float* dst) {
+inline void mul_u8x8(const uint8_t* src, const float* f, float* dst) {
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__)
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(v)));
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_loadu_ps(f), _mm256_cvtepi32_ps(v)));
 #else
-  for (int i = 0; i < 8; ++i) dst[i] = scale * float(src[i]);
+  for (int i = 0; i < 8; ++i) dst[i] = f[i] * float(src[i]);
 #endif
 }
 
-inline void scale_i8x8(const int8_t* src, float scale, float* dst) {
+inline void mul_i8x8(const int8_t* src, const float* f, float* dst) {
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__)
   const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(v)));
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_loadu_ps(f), _mm256_cvtepi32_ps(v)));
 #else
-  for (int i = 0; i < 8; ++i) dst[i] = scale * float(src[i]);
+  for (int i = 0; i < 8; ++i) dst[i] = f[i] * float(src[i]);
 #endif
+}
+
+// dst[i] = k * src[i].
+inline void scale_floats(const float* src, float k, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vstore(dst + i, vmul(vset1(k), vload(src + i)));
+  for (; i < n; ++i) dst[i] = k * src[i];
 }
 
 // n fp16 values (as raw bits) -> floats.
