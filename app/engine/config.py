@@ -20,6 +20,13 @@ class EngineConfig(BaseModel):
         description="'auto': bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    quantization: Literal["auto", "none", "gguf", "int8"] = Field(
+        "none",
+        description="'none': weights dequantized to `dtype`; 'auto': a GGUF file's quantized "
+        "weights stay as stored on a CPU with the kernels (one shard), else dequantized; 'gguf': "
+        "the same, or fail; 'int8': every linear layer quantized at load (Q8_0 blocks). "
+        "(The default becomes 'auto' once the quantized path is measured against llama.cpp.)",
+    )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(
         None, ge=2, description="Fixed block count; None sizes the cache from kv_cache_memory_gib."

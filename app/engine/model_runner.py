@@ -50,6 +50,7 @@ def load_runner(
             config.torch_device,
             config.max_model_len,
             tp,
+            config.quantization,
         )
     else:
         backend = loaded.model.model.layers[0].self_attn.backend

@@ -39,7 +39,12 @@ class DenseMLP(nn.Module):
 
     def fuse_for_cpu(self) -> None:
         """Split gate/up into two prepacked layers whose epilogues apply silu and the
-        product, and prepack the down projection (bf16 on CPU only)."""
+        product, and prepack the down projection (bf16 on CPU only). Quantized layers
+        keep their own kernels."""
+        if not isinstance(self.gate_up_proj, nn.Linear):
+            if isinstance(self.down_proj, nn.Linear):
+                self.down_proj = PackedLinear(self.down_proj)
+            return
         gate_w, up_w = self.gate_up_proj.weight.detach().split(self.intermediate_size, dim=0)
         self.fused = (PackedLinear.from_weight(gate_w), PackedLinear.from_weight(up_w))
         del self.gate_up_proj

@@ -11,6 +11,13 @@ from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.parallel import TPGroup, check_divisible
+from app.models.quantized_model import (
+    install,
+    quantize_linears,
+    quantized_bytes,
+    quantized_targets,
+    set_output_dtype,
+)
 from app.models.source import ModelSource
 from app.models.weight_loading import expected_pieces, load_weights
 from app.models.weights import iter_weights, patch_gguf_config
@@ -50,9 +57,12 @@ def load_model(
     device: torch.device,
     max_model_len: int | None = None,
     tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load weights into our model. `max_model_len` (None: the model's own) sizes the
-    RoPE tables and is capped at the model's context length."""
+    RoPE tables and is capped at the model's context length. `quantization` (see
+    EngineConfig): "none" computes in `dtype` throughout; "auto"/"gguf" keep a GGUF's
+    quantized weights as stored; "int8" quantizes every linear layer at load."""
     arch = read_arch(source)
     if tp.enabled:
         try:
@@ -62,14 +72,17 @@ def load_model(
     max_positions = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderForCausalLM(arch, backend, max_positions, tp)
+    keep = kept_quantized_types(quantization, source, device, tp)
+    if keep:
+        tied = arch.tie_word_embeddings
+        install(model, quantized_targets(iter_weights(source, arch, keep), model, tied), tied)
     # Materialise on the target device without initialising (weights come next);
     # the RoPE tables are buffers computed at construction, so rebuild them for real.
     model = model.to_empty(device=device)
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    _tie(model, arch)
     _rebuild_rope(model, arch, max_positions, device)
     try:
-        loaded = load_weights(model, iter_weights(source, arch), tp)
+        loaded = load_weights(model, iter_weights(source, arch, keep), tp)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(source.name, f"corrupt or mismatched weights: {exc}") from exc
     missing = expected_pieces(model) - loaded
@@ -78,8 +91,21 @@ def load_model(
         raise ModelLoadError(
             source.name, f"{len(missing)} weights missing from the checkpoint: {shown}"
         )
+    if quantization == "int8":
+        if device.type != "cpu" or tp.enabled:
+            raise ModelLoadError(source.name, "quantization 'int8' runs on one CPU shard only")
+        model = model.to(dtype=dtype)
+        quantize_linears(model)
     model = _ready(model, arch, dtype, device)
-    logger.info("loaded %s (%s, %s) on %s", source.name, arch.architecture, dtype, device)
+    logger.info(
+        "loaded %s (%s, %s, quantization %s, %.0f MB of quantized weights) on %s",
+        source.name,
+        arch.architecture,
+        dtype,
+        quantization if keep or quantization == "int8" else "none",
+        quantized_bytes(model) / 1e6,
+        device,
+    )
     return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
 
 
@@ -118,8 +144,8 @@ def _ready(
 ) -> DecoderForCausalLM:
     """In `dtype` for inference; RoPE tables float32; bf16 linears prepacked on CPU."""
     model = model.to(dtype=dtype)
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    _tie(model, arch)
+    set_output_dtype(model, dtype)
     for rotary in (model.model.rotary, model.model.rotary_local):
         if rotary is not None:
             rotary.float()  # cos/sin stay float32 whatever the model dtype
@@ -127,6 +153,41 @@ def _ready(
     if can_prepack(dtype, device):
         prepack_linears(model)
     return model
+
+
+def kept_quantized_types(
+    quantization: str, source: ModelSource, device: torch.device, tp: TPGroup
+) -> frozenset[int]:
+    """The GGML types whose weights stay quantized: those our CPU kernels run, for a GGUF
+    file on one CPU shard. `auto` falls back to dequantizing (and says so) where that
+    cannot be; `gguf` refuses to."""
+    from app.models import quant
+
+    if quantization not in ("auto", "gguf"):
+        return frozenset()
+    reason = None
+    if not source.is_gguf:
+        reason = "the model is not a GGUF file"
+    elif device.type != "cpu":
+        reason = f"quantized kernels run on CPU, not {device.type}"
+    elif tp.enabled:
+        reason = "quantized weights are not split across tensor-parallel shards"
+    elif not quant.available():
+        reason = "the quantized CPU kernels could not be built"
+    if reason is None:
+        return frozenset(int(t) for t in quant.QuantType)
+    if quantization == "gguf":
+        raise ModelLoadError(source.name, f"quantization 'gguf' impossible: {reason}")
+    if source.is_gguf:
+        logger.info("%s: dequantizing the GGUF weights (%s)", source.name, reason)
+    return frozenset()
+
+
+def _tie(model: DecoderForCausalLM, arch: ArchConfig) -> None:
+    """The LM head shares the embedding's weight (a quantized embedding's head reads it
+    through QuantLinear.tied)."""
+    if arch.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding):
+        model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def _rebuild_rope(

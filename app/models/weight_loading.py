@@ -15,6 +15,8 @@ from torch import nn
 
 from app.models.arch import ArchConfig
 from app.models.parallel import TPGroup, kv_head_range, slice_rows, vocab_range
+from app.models.quant.linear_module import QuantEmbedding, QuantLinear
+from app.models.quantized_tensor import QuantizedTensor
 
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _STACKED = {  # checkpoint part -> (our fused parameter, piece)
@@ -33,6 +35,9 @@ def load_weights(
     """Copy checkpoint tensors into the model; returns the pieces filled."""
     arch, local = model.arch, model.local
     params = dict(model.named_parameters())
+    quantized = {
+        n: m for n, m in model.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)
+    }
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
@@ -40,6 +45,14 @@ def load_weights(
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue
         target, key, piece = _target(name, local)
+        module_name, _, kind = target.rpartition(".")
+        module = quantized.get(module_name)
+        if module is not None and kind == "weight":
+            module.set_segment(int(key.rpartition("#")[2]) if "#" in key else 0, tensor)
+            loaded.add(key)
+            continue
+        if isinstance(tensor, QuantizedTensor):  # a layer we keep in floats
+            tensor = tensor.dequantize()
         if target not in params:
             raise KeyError(f"unexpected tensor {name!r}")
         tensor = _tp_slice(name, tensor, arch, local, tp)
@@ -55,6 +68,15 @@ def load_weights(
 
 def expected_pieces(model: nn.Module) -> set[str]:
     names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantEmbedding) or (
+            isinstance(module, QuantLinear) and module.tied_to is None
+        ):
+            rows = getattr(module, "segment_rows", [0])
+            if len(rows) == 1:
+                names.add(f"{name}.weight")
+            else:
+                names.update(f"{name}.weight#{i}" for i in range(len(rows)))
     for name, param in model.named_parameters():
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             names.update(f"{name}#{i}" for i in range(3))
@@ -67,6 +89,18 @@ def expected_pieces(model: nn.Module) -> set[str]:
         else:
             names.add(name)
     return names
+
+
+def target_module(name: str, model: nn.Module) -> str:
+    """The module a checkpoint tensor fills (e.g. q_proj's: ...self_attn.qkv_proj)."""
+    return _target(name, model.local)[0].rpartition(".")[0]
+
+
+def piece_rows(module_name: str, linear: nn.Linear, local: ArchConfig) -> list[int]:
+    """The rows of each checkpoint piece of a (fused) linear layer, in order."""
+    if module_name.endswith(("qkv_proj", "gate_up_proj")):
+        return _piece_sizes(module_name, local)
+    return [linear.out_features]
 
 
 def _target(name: str, local: ArchConfig) -> tuple[str, str, Piece]:

@@ -9,15 +9,20 @@ import numpy as np
 import torch
 
 from app.models.arch import ArchConfig
+from app.models.quantized_tensor import QuantizedTensor
 from app.models.source import ModelSource
 from app.protocol.errors import ModelLoadError
 
 
-def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, arch: ArchConfig, keep_quantized: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """A checkpoint's tensors under our names; GGUF weights in a type of `keep_quantized`
+    stay quantized (see iter_gguf)."""
     from app.models.families import hf_tensors
 
     if source.is_gguf:
-        return hf_tensors(iter_gguf(source, arch), arch, norm_offset=False)
+        return hf_tensors(iter_gguf(source, arch, keep_quantized), arch, norm_offset=False)
     return hf_tensors(iter_safetensors(source), arch)
 
 
@@ -69,11 +74,14 @@ def _gguf_reader(source: ModelSource) -> Any:
         raise ModelLoadError(source.name, f"corrupt GGUF file {path.name}: {exc}") from exc
 
 
-def iter_gguf(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(
+    source: ModelSource, arch: ArchConfig, keep_quantized: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The file's tensors under HF names, with llama.cpp's edits undone: q/k rows
     un-permuted (its llama converter, for Llama, Mistral and Mixtral, is the one that
     permutes them) and stacked experts split. Gemma's norms stay as stored: llama.cpp
-    stores them as 1 + w, as our decoder wants them."""
+    stores them as 1 + w, as our decoder wants them. Weight matrices in a type of
+    `keep_quantized` (GGML type ids) come as QuantizedTensors, their bytes as stored."""
     import gguf
 
     from app.models.gguf_names import hf_name
@@ -89,6 +97,19 @@ def iter_gguf(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torc
                 source.name, f"unknown tensor {tensor.name} in a {gguf_arch!r} GGUF file"
             ) from None
         if name is None:
+            continue
+        if (
+            int(tensor.tensor_type) in keep_quantized
+            and len(tensor.shape) == 2
+            and "{expert}" not in name
+        ):
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C", copy=True))
+            weight = QuantizedTensor(raw, int(tensor.tensor_type), int(tensor.shape[0]))
+            if permuted and ".q_proj." in name:
+                weight = weight.with_rows(_unpermute(weight.data, arch.num_heads))
+            elif permuted and ".k_proj." in name:
+                weight = weight.with_rows(_unpermute(weight.data, arch.num_kv_heads))
+            yield name, weight
             continue
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

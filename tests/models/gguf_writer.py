@@ -30,9 +30,15 @@ _ARCHS = {
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
-def write_gguf(checkpoint: Path, path: Path, extra: dict[str, Any] | None = None) -> Path:
+def write_gguf(
+    checkpoint: Path,
+    path: Path,
+    extra: dict[str, Any] | None = None,
+    qtype: "gguf.GGMLQuantizationType | None" = None,
+) -> Path:
     """Convert the checkpoint in `checkpoint` (config.json + model.safetensors) to `path`;
-    `extra`: more tensors (GGUF name -> numpy array) written as they are."""
+    `extra`: more tensors (GGUF name -> numpy array) written as they are; `qtype`: weight
+    matrices quantized to that type (norms and stacked experts stay float32)."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -49,7 +55,12 @@ def write_gguf(checkpoint: Path, path: Path, extra: dict[str, Any] | None = None
         gguf_name = names.get_name(base)
         if gguf_name is None:  # llama.cpp's converter refuses such a checkpoint too
             raise ValueError(f"llama.cpp has no name for {name} in a {arch.name} file")
-        writer.add_tensor(f"{gguf_name}.{kind}", tensor.float().contiguous().numpy())
+        array = tensor.float().contiguous().numpy()
+        if qtype is not None and array.ndim == 2 and array.shape[1] % 32 == 0:
+            raw = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(f"{gguf_name}.{kind}", raw, raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"{gguf_name}.{kind}", array)
     for name, array in [*_rope_factor_tensors(arch, config), *(extra or {}).items()]:
         writer.add_tensor(name, array)
     writer.write_header_to_file()
