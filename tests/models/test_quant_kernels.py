@@ -104,6 +104,18 @@ def test_both_regimes_at_any_t(kernels, qtype, mode):
         check(out, x, w)
 
 
+def test_tiles_under_inference_mode(kernels):
+    # the engine's forward runs in inference mode; the tile path's worker threads call
+    # at::mm_out into the caller's (inference) output
+    raw, w = weights(QuantType.Q4_1, *SHAPE)
+    packed = pack(raw, QuantType.Q4_1)
+    with torch.inference_mode():
+        x = torch.randn(40, SHAPE[1])
+        out = torch.empty(40, SHAPE[0] + 4)[:, 4:]
+        quant.matmul(x, packed, out=out)
+    check(out, x, w)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_row_slices_are_weights_of_their_own(kernels, qtype):
     n, k = SHAPE
