@@ -103,15 +103,25 @@ def stop_local_shards(shards: list[subprocess.Popen], timeout_s: float = 15.0) -
 
 
 def dense_reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal_offset: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    causal_offset: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention computed densely in float32, the reference for the paged backends.
-    q: (Lq, nh, hd); keys/values: (L, nkv, hd); query i sees keys [0, causal_offset + i]."""
+    q: (Lq, nh, hd) at positions causal_offset..; keys/values: (L, nkv, hd). Key j is
+    visible to the query at p iff j <= p and (with a window) p - j < window; scores are
+    capped (softcap * tanh(s / softcap)) before masking."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).float()  # (L, nh, hd)
     v = values.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
-    lq, lk = q.shape[0], keys.shape[0]
-    visible = torch.arange(lk)[None, :] <= (causal_offset + torch.arange(lq))[:, None]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    p = causal_offset + torch.arange(q.shape[0])[:, None]
+    j = torch.arange(keys.shape[0])[None, :]
+    visible = (j <= p) & ((p - j < window) if window > 0 else True)
     scores = scores.masked_fill(~visible[None], float("-inf"))  # (nh, Lq, L)
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)

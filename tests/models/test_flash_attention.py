@@ -70,22 +70,6 @@ def ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     return torch.cat(outs)
 
 
-def windowed_reference(q, keys, values, offset, window, softcap):
-    """Dense float32 attention as the backends promise it: the query at position p
-    (offset + its index) sees keys j <= p with p - j < window; scores capped first."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).float()
-    v = values.repeat_interleave(group, dim=1).float()
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    p = offset + torch.arange(q.shape[0])[:, None]
-    j = torch.arange(keys.shape[0])[None, :]
-    visible = (j <= p) & ((p - j < window) if window > 0 else True)
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
-
-
 REFERENCE = SimpleNamespace(
     flash_attn_with_kvcache=ref_with_kvcache, flash_attn_varlen_func=ref_varlen
 )
@@ -120,7 +104,7 @@ def run_batch(backend, device, dtype, window=0, softcap=0.0):
     for kk, vv, c, n in zip(keys, values, contexts, queries, strict=True):
         qs, kk, vv = q[start : start + n].cpu(), kk.cpu(), vv.cpu()
         if window or softcap:
-            refs.append(windowed_reference(qs, kk, vv, c - n, window, softcap))
+            refs.append(dense_reference(qs, kk, vv, c - n, window, softcap))
         else:
             refs.append(dense_reference(qs, kk, vv, c - n))
         start += n

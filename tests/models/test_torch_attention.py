@@ -12,6 +12,7 @@ import torch
 
 from app.models.attention import BatchLayout
 from app.models.torch_attention import TorchPagedAttention
+from tests.helpers import dense_reference
 
 NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 4, 96
 PATHS = ["torch", "kernels", "prefill_kernel"]
@@ -31,22 +32,6 @@ def make_backend(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchPagedAttent
     if path == "prefill_kernel":
         monkeypatch.setattr(TorchPagedAttention, "has_prefill_kernel", True)
     return backend
-
-
-def reference(q, keys, values, offset, window=0, softcap=0.0):
-    """Dense float32 attention. q: (Lq, nh, hd) at positions offset.., keys/values:
-    (L, nkv, hd); key j is visible to a query at p iff j <= p and p - j < window."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).float()
-    v = values.repeat_interleave(group, dim=1).float()
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    q_pos = offset + torch.arange(q.shape[0])[:, None]
-    j = torch.arange(keys.shape[0])[None, :]
-    visible = (j <= q_pos) & ((j > q_pos - window) if window > 0 else True)
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
 
 class Batch:
@@ -94,7 +79,7 @@ class Batch:
         tol = 1e-5 if out.dtype == torch.float32 else 2e-2
         start = 0
         for kk, vv, c, n in zip(self.keys, self.values, self.contexts, self.queries, strict=True):
-            ref = reference(self.q[start : start + n], kk, vv, c - n, window, softcap)
+            ref = dense_reference(self.q[start : start + n], kk, vv, c - n, window, softcap)
             got = out[start : start + n].float()
             torch.testing.assert_close(
                 got, ref, atol=tol, rtol=tol, msg=lambda m, i=start: f"{i}: {m}"
@@ -162,7 +147,7 @@ def test_softcapped_prefill_in_query_tiles_matches(monkeypatch):
 def test_softcap_is_seen_by_these_tests():
     torch.manual_seed(0)
     q, k, v = torch.randn(3, NH, HD) * 4, torch.randn(9, NKV, HD), torch.randn(9, NKV, HD)
-    capped, plain = reference(q, k, v, 6, softcap=50.0), reference(q, k, v, 6)
+    capped, plain = dense_reference(q, k, v, 6, softcap=50.0), dense_reference(q, k, v, 6)
     assert (capped - plain).abs().max() > 1e-3
 
 
