@@ -3,6 +3,8 @@
 The reference multiplies gguf's own float32 dequantisation of the same rows in float64, so
 the only tolerance is accumulation order (float32 outputs) plus one output rounding
 (bfloat16 outputs), measured against sum |x| |w| (the scale of a dot product's rounding).
+Where the GEMV rounds x to int8 (gemv_i8.h), the reference rounds x the same way first
+(rounded_x), so the tolerance stays the same.
 """
 
 import functools
@@ -17,6 +19,8 @@ from app.models import quant
 from app.models.quant import QuantType, dequantize, dequantize_packed, pack, unpack
 
 TYPES = list(QuantType)
+INT8_TYPES = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0, QuantType.Q4_K]  # gemv_i8.h's
+FLOAT, INT8 = 1, 2  # quant_matmul's activations argument
 SHAPE = (577, 768)  # N odd; K a multiple of 256 (every type) but not of 512
 ACCUMULATION = 1e-5  # float32 sums of <= a few thousand terms, in any order
 BF16_ROUNDING = 2.0**-8  # one rounding to bfloat16 (2^-9), with margin
@@ -48,6 +52,27 @@ def weights(qtype: QuantType, n: int, k: int) -> tuple[torch.Tensor, torch.Tenso
             b[:, 208:210] = halves[:, :2]  # d (int8 scales stay random, signs included)
         raw = torch.from_numpy(b.reshape(n, -1))
     return raw, dequantize(raw, qtype, k)
+
+
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 GEMV sees it (quantize_x.h), in the same float32 operations: per
+    32-block d = max|x| / 127 and q = round(x * (127 / max|x|)), ties to even."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)  # (T, K / 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # tensor / tensor: torch turns a scalar operand into a multiply by its reciprocal
+    k127 = torch.full_like(amax, 127)
+    inverse = torch.where(amax != 0, k127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse)
+    return (q.double() * (amax / k127).double()).reshape(x.shape)
+
+
+def seen_x(kernels, qtype: QuantType, x: torch.Tensor) -> torch.Tensor:
+    """What quant.matmul multiplies: x rounded where its choice is the int8 GEMV."""
+    t = x.shape[0]
+    int8 = (
+        qtype in INT8_TYPES and t <= kernels.gemv_max_t(int(qtype)) and not quant.float_activations
+    )
+    return rounded_x(x) if int8 else x.float()
 
 
 def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -87,7 +112,7 @@ def test_matmul_into_a_column_slice(kernels, qtype, t, dtype):
     fused = torch.full((t, n + 40), float("nan"), dtype=dtype)  # q/k/v-style fused output
     out = quant.matmul(x, pack(raw, qtype), out=fused[:, 24 : 24 + n])
     assert out.data_ptr() == fused[:, 24:].data_ptr()
-    check(out, x.float(), w)
+    check(out, seen_x(kernels, qtype, x), w)
     assert fused[:, :24].isnan().all() and fused[:, 24 + n :].isnan().all()
 
 
@@ -100,8 +125,45 @@ def test_both_regimes_at_any_t(kernels, qtype, mode):
     for t in (1, 9, 33):
         x = torch.randn(t, k)
         out = torch.empty(t, n)
-        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 48)
+        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 48, FLOAT)
         check(out, x, w)
+
+
+@pytest.mark.parametrize("t", range(1, 17))
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
+def test_int8_gemv_is_exact_on_rounded_x(kernels, qtype, t):
+    n, k = SHAPE
+    raw, w = weights(qtype, n, k)
+    packed = pack(raw, qtype)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(100 + t)) * 3
+    x[:, 32:64] = 0  # a block of zeros: d = 0
+    for dtype in (torch.float32, torch.bfloat16) if t in (1, 5) else (torch.float32,):
+        out = torch.empty(t, n, dtype=dtype)
+        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, 1, 0, INT8)
+        check(out, rounded_x(x), w)
+
+
+def test_int8_activations_are_a_choice(kernels):
+    # auto: int8 where the type has an integer kernel; float where it has none (Q6_K)
+    n, k = SHAPE
+    x = torch.randn(2, k)
+    for qtype, auto_rounds in ((QuantType.Q4_1, True), (QuantType.Q6_K, False)):
+        raw, w = weights(qtype, n, k)
+        parts = list(pack(raw, qtype).parts)
+        out = torch.empty(2, n)
+        kernels.quant_matmul(x, int(qtype), parts, n, k, out, 1, 0, 0)
+        check(out, rounded_x(x) if auto_rounds else x, w)
+        kernels.quant_matmul(x, int(qtype), parts, n, k, out, 1, 0, FLOAT)
+        check(out, x, w)
+    with pytest.raises(RuntimeError, match="no int8-activation kernel"):
+        kernels.quant_matmul(x, int(QuantType.Q6_K), parts, n, k, out, 1, 0, INT8)
+
+
+def test_float_activations_switch(kernels, monkeypatch):
+    monkeypatch.setattr(quant, "float_activations", True)
+    raw, w = weights(QuantType.Q8_0, *SHAPE)
+    x = torch.randn(1, SHAPE[1])
+    check(quant.matmul(x, pack(raw, QuantType.Q8_0)), x, w)
 
 
 def test_tiles_under_inference_mode(kernels):
@@ -122,8 +184,9 @@ def test_row_slices_are_weights_of_their_own(kernels, qtype):
     raw, w = weights(qtype, n, k)
     packed = pack(raw, qtype)
     x = torch.randn(3, k)
-    check(quant.matmul(x, packed.rows(100, 300)), x, w[100:300])
-    check(quant.matmul(x, packed.rows(572, n)), x, w[572:])  # the padded last group
+    xs = seen_x(kernels, qtype, x)
+    check(quant.matmul(x, packed.rows(100, 300)), xs, w[100:300])
+    check(quant.matmul(x, packed.rows(572, n)), xs, w[572:])  # the padded last group
     with pytest.raises(ValueError, match="split a group"):
         packed.rows(2, 8)
 
@@ -135,11 +198,14 @@ def test_portable_build_matches(qtype):
     n, k = SHAPE
     raw, w = weights(qtype, n, k)
     packed = pack(raw, qtype)
-    for t, mode in ((1, 1), (5, 1), (12, 2)):
+    for t, mode in ((1, 1), (5, 1), (9, 1), (12, 2)):
         x = torch.randn(t, k)
         out = torch.empty(t, n)
-        portable.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode)
+        portable.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 0, FLOAT)
         check(out, x, w)
+        if qtype in INT8_TYPES and mode == 1:
+            portable.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 0, INT8)
+            check(out, rounded_x(x), w)
     ids = torch.tensor([3, 0, n - 1])
     rows = torch.empty(3, k)
     portable.quant_embedding(ids, int(qtype), list(packed.parts), n, k, rows)

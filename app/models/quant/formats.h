@@ -12,6 +12,10 @@
 // floats (`decode`). A weight is then s * q (+ off), bit for bit gguf's dequantisation:
 // every product fits a float's 24-bit mantissa, so the only rounding is the one numpy does.
 //
+// kInts: which integer kernel (gemv_i8.h) takes the format's quants against int8
+// activations: kNibbles for 16 bytes of 4-bit quants per 32 weights (qs), kBytes for 32
+// int8 quants, kNone where only the float GEMV reads it.
+//
 // kGemvMaxT: up to this many rows of x, quant_matmul's automatic choice is the GEMV, past
 // it dequantised tiles and at::mm; where the two cross on AVX2 (Zen 3, 2 threads), as
 // bench/quant_gemv.py measures it. The K types decode slower, so their GEMV gives up sooner.
@@ -29,6 +33,8 @@ constexpr int kG = 4;  // rows per interleaved group
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
+enum class Ints { kNone, kNibbles, kBytes };
+
 inline const uint16_t* halves(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
 }
@@ -41,6 +47,7 @@ inline int64_t at_unit(int64_t n, int64_t u, int64_t units, int64_t size) {
 struct Q4_0 {  // w = d * (q - 8) = d * q + (-8 d)
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr Ints kInts = Ints::kNibbles;
   static constexpr int64_t kGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t* d;
@@ -56,6 +63,7 @@ struct Q4_0 {  // w = d * (q - 8) = d * q + (-8 d)
 struct Q4_1 {  // w = d * q + m
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr Ints kInts = Ints::kNibbles;
   static constexpr int64_t kGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t *d, *m;
@@ -72,6 +80,7 @@ struct Q4_1 {  // w = d * q + m
 struct Q8_0 {  // w = d * q
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
+  static constexpr Ints kInts = Ints::kBytes;
   static constexpr int64_t kGemvMaxT = 16;
   const int8_t* qs;
   const uint16_t* d;
@@ -90,6 +99,7 @@ inline void row_factors(const uint16_t* h, float sign, float* f8) {
 struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per 256
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr Ints kInts = Ints::kNibbles;
   static constexpr int64_t kGemvMaxT = 12;
   const uint8_t *qs, *sc, *mn;
   const uint16_t *d, *dmin;
@@ -116,6 +126,7 @@ struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per
 struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = false;
+  static constexpr Ints kInts = Ints::kNone;
   static constexpr int64_t kGemvMaxT = 12;
   const uint8_t *lo, *hi;
   const int8_t* sc;

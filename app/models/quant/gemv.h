@@ -94,17 +94,14 @@ inline void add_offsets(const float* off, const float* sxe, int64_t n, int64_t t
   }
 }
 
-// x is (T, K) contiguous float32; out (T, N) with rows ldo apart.
-template <class F, class O>
-void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo) {
+// The GEMV's frame, whatever the activations: threads split the row groups; per group its
+// scales, then x's rows kMaxT at a time: pass(g, t0, tt, scale, res) fills res[r * tt + t]
+// for the group's kG rows without offset terms, which come from sxe ((T, kb * kG), per-block
+// sums of x as add_offsets reads them); then the rows go to out ((T, N), rows ldo apart).
+template <class F, class O, class Pass>
+void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sxe, O* out, int64_t ldo,
+                    const Pass& pass) {
   const int64_t kb = K / 32, groups = (N + kG - 1) / kG;
-  std::vector<float> sxe(F::kOffset ? T * kb * kG : 0);  // (T, kb, kG): sums of x per block
-  for (int64_t i = 0; i < int64_t(sxe.size()) / kG; ++i) {
-    vf s = vzero();
-    for (int j = 0; j < kNV; ++j) s = vadd(s, vload(x + i * 32 + j * kW));
-    const float sum = vsum(s);
-    for (int r = 0; r < kG; ++r) sxe[i * kG + r] = sum;
-  }
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
@@ -116,13 +113,29 @@ void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, i
       // Past kMaxT rows of x, each pass over the group reads it from L1, not memory.
       for (int64_t t0 = 0; t0 < T; t0 += kMaxT) {
         const int tt = int(std::min<int64_t>(kMaxT, T - t0));
-        for (int r0 = 0; r0 < rows; r0 += group_rows(tt))  // padded rows are zeros: safe to read
-          kRowsFn<F>[tt - 1](f, g, r0, kb, x + t0 * K, K, scale.data(), res + r0 * tt);
-        if constexpr (F::kOffset) add_offsets(off.data(), sxe.data() + t0 * kb * kG, kb * kG, tt, res);
+        pass(g, t0, tt, scale.data(), res);
+        if constexpr (F::kOffset) add_offsets(off.data(), sxe + t0 * kb * kG, kb * kG, tt, res);
         for (int r = 0; r < rows; ++r)
           for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + g * kG + r] = static_cast<O>(res[r * tt + t]);
       }
     }
+  });
+}
+
+// Float activations: x is (T, K) contiguous float32.
+template <class F, class O>
+void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo) {
+  const int64_t kb = K / 32;
+  std::vector<float> sxe(F::kOffset ? T * kb * kG : 0);  // (T, kb, kG): sums of x per block
+  for (int64_t i = 0; i < int64_t(sxe.size()) / kG; ++i) {
+    vf s = vzero();
+    for (int j = 0; j < kNV; ++j) s = vadd(s, vload(x + i * 32 + j * kW));
+    const float sum = vsum(s);
+    for (int r = 0; r < kG; ++r) sxe[i * kG + r] = sum;
+  }
+  for_each_group(f, N, K, T, sxe.data(), out, ldo, [&](int64_t g, int64_t t0, int tt, const float* scale, float* res) {
+    for (int r0 = 0; r0 < kG; r0 += group_rows(tt))  // padded rows are zeros: safe to read
+      kRowsFn<F>[tt - 1](f, g, r0, kb, x + t0 * K, K, scale, res + r0 * tt);
   });
 }
 

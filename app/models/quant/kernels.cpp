@@ -3,8 +3,8 @@
 //                    slice of a wider tensor (fused q/k/v or gate/up outputs)
 //   quant_embedding  the rows of W named by ids, dequantised
 //
-// Two regimes. Few rows of x (decode): the fused dequantise-GEMV of gemv.h, which reads
-// each weight byte once per call. Many rows (prefill, big batches): each thread
+// Two regimes. Few rows of x (decode): a fused GEMV that reads each weight byte once per
+// call, on int8-rounded x (gemv_i8.h) or float32 x (gemv.h). Many rows (prefill, big batches): each thread
 // dequantises a tile of W's rows into float32 scratch and hands it to at::mm, where the
 // multiply, not the weights' bytes, sets the pace. bench/quant_gemv.py measures where
 // one overtakes the other (kGemvMaxT in formats.h).
@@ -17,6 +17,7 @@
 
 #include "formats.h"
 #include "gemv.h"
+#include "gemv_i8.h"
 #include "simd.h"
 
 namespace {
@@ -87,9 +88,15 @@ void check_float(const Tensor& t, const char* what) {
               " must be a float32, bfloat16 or float16 CPU tensor, got ", s);
 }
 
+enum Activations : int64_t { kAuto = 0, kFloat = 1, kInt8 = 2 };
+
 // mode: 0 picks by T (GEMV up to the format's kGemvMaxT rows), 1 forces GEMV, 2 forces tiles.
+// activations (the GEMV's; tiles are float): kAuto rounds x to int8 per block where the
+// format has an integer kernel (gemv_i8.h: faster, llama.cpp's accuracy), kFloat keeps
+// float32 x (exact but for summation order), kInt8 insists on int8.
 void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
-                  Tensor out, int64_t mode, int64_t tile_rows) {
+                  Tensor out, int64_t mode, int64_t tile_rows, int64_t activations) {
+  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
   check_float(x, "x");
   check_float(out, "out");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (T, ", k, "), got ", x.sizes());
@@ -105,7 +112,15 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
       tiled(f, n, k, xf, out, tile_rows);
       return;
     }
+    constexpr bool has_ints = F::kInts != Ints::kNone;
+    TORCH_CHECK(has_ints || activations != kInt8, "GGML type ", qtype, " has no int8-activation kernel");
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_matmul", [&] {
+      if constexpr (has_ints) {
+        if (activations != kFloat) {
+          gemv_i8(f, n, k, xf.data_ptr<float>(), T, out.data_ptr<scalar_t>(), out.stride(0));
+          return;
+        }
+      }
       gemv(f, n, k, xf.data_ptr<float>(), T, out.data_ptr<scalar_t>(), out.stride(0));
     });
   });
@@ -156,7 +171,8 @@ int64_t gemv_max_t(int64_t qtype) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "out = x @ W^T for a packed GGUF-quantised W", pybind11::arg("x"),
         pybind11::arg("qtype"), pybind11::arg("parts"), pybind11::arg("n"), pybind11::arg("k"),
-        pybind11::arg("out"), pybind11::arg("mode") = 0, pybind11::arg("tile_rows") = 0);
+        pybind11::arg("out"), pybind11::arg("mode") = 0, pybind11::arg("tile_rows") = 0,
+        pybind11::arg("activations") = 0);
   m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised");
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
   m.def("gemv_max_t", &gemv_max_t, "rows of x up to which quant_matmul picks the GEMV for a GGML type");

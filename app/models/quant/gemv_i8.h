@@ -1,0 +1,174 @@
+// The integer GEMV: weights' quants against int8 activations (quantize_x.h), as llama.cpp
+// does on every CPU matmul. Decoding 32 nibbles to floats took ~10 instructions per block
+// and left Q4 at half the memory's bandwidth; here a block is multiplied as bytes
+// (maddubs: unsigned x signed pairs into int16, madd: pairs into int32) and converted to
+// float once, then scaled by d_w * d_x. Exact up to the float accumulation, against x
+// rounded to int8 per block; the Q4 offsets (w = d q + m) need per-block d_x * sum(q_x).
+//
+// Nibbles (Q4_0, Q4_1, Q4_K): one 32-byte load holds two rows' quants for a block (the
+// group interleaves rows by 16 bytes), so a register carries a pair of rows; x comes with
+// each half of a block doubled to match (quantize_x.h). Bytes (Q8_0): llama.cpp's sign
+// trick, |w| (unsigned) times x with w's sign. Either way hadd folds the int32 products of
+// a group's four rows into one vector, so one convert and one FMA serve all four.
+#pragma once
+
+#include <cstdint>
+
+#include "gemv.h"
+#include "quantize_x.h"
+
+namespace shoal_quant {
+
+// A group's kG rows (quants at q, blocks of kG rows apart) against tt rows of x, scales as
+// F::scales gives them: res[r * tt + t] = sum_b scale[b, r] d_x[t, b] sum_i q[r, i] q_x[t, i].
+using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
+                           float* res);
+
+#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+// 256-bit vectors in the AVX-512 build too (simd.h's vf is wider there).
+
+// All four rows of the group; lanes of acc[t] hold rows (0, 0, 2, 2, 1, 1, 3, 3).
+template <int TT>
+void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
+                 float* res) {
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i lanes = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+  const int8_t* qx = x.q.data() + t0 * x.ldq;
+  const float* dx = x.d.data() + t0 * kb;
+  __m256 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    // a register holds two rows' 16 bytes: lanes 0..15 the first row's, 16..31 the second's
+    const __m256i v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 64));
+    const __m256i v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 64 + 32));
+    const __m256i lo01 = _mm256_and_si256(v01, m4), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), m4);
+    const __m256i lo23 = _mm256_and_si256(v23, m4), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), m4);
+    const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scale + b * kG)), lanes);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      const __m256i* xb = reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 64);
+      const __m256i xlo = _mm256_loadu_si256(xb), xhi = _mm256_loadu_si256(xb + 1);
+      // int16 sums of four products: 15 * 127 * 4 fits
+      const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo01, xlo), _mm256_maddubs_epi16(hi01, xhi));
+      const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo23, xlo), _mm256_maddubs_epi16(hi23, xhi));
+      const __m256i i = _mm256_hadd_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), sw), _mm256_set1_ps(dx[t * kb + b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, acc[t]);
+    for (int r = 0; r < kG; ++r) res[r * TT + t] = l[2 * (r / 2) + 4 * (r % 2)] + l[2 * (r / 2) + 4 * (r % 2) + 1];
+  }
+}
+
+template <int TT>
+void nibble_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
+  nibble_rows<TT>(static_cast<const uint8_t*>(q), kb, x, t0, scale, res);
+}
+
+// Rows r0..r0+R-1 (R = 2 or 4); lanes of acc[t] hold rows (0 1 2 3 0 1 2 3), or (0 0 1 1 ...).
+template <int R, int TT>
+void byte_rows(const int8_t* q, int r0, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
+               float* res) {
+  static_assert(R == 2 || R == 4);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lanes = R == 4 ? _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+  const int8_t* qx = x.q.data() + t0 * x.ldq;
+  const float* dx = x.d.data() + t0 * kb;
+  __m256 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    __m256i w[R], aw[R];
+    for (int r = 0; r < R; ++r) {
+      w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b * kG + r0 + r) * 32));
+      aw[r] = _mm256_sign_epi8(w[r], w[r]);  // |w|: -128 too, as unsigned 128
+    }
+    const __m256 sw =
+        _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scale + b * kG + r0)), lanes);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 32));
+      __m256i i[R];
+      for (int r = 0; r < R; ++r)  // int16 sums of two products: 128 * 127 * 2 fits
+        i[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xt, w[r])), ones);
+      __m256i h = _mm256_hadd_epi32(i[0], i[1]);
+      if constexpr (R == 4) h = _mm256_hadd_epi32(h, _mm256_hadd_epi32(i[2], i[3]));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), sw), _mm256_set1_ps(dx[t * kb + b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, acc[t]);
+    for (int r = 0; r < R; ++r)
+      res[(r0 + r) * TT + t] = R == 4 ? l[r] + l[r + 4] : l[2 * r] + l[2 * r + 1] + l[2 * r + 4] + l[2 * r + 5];
+  }
+}
+
+// Four rows while their registers leave room for x's rows' accumulators.
+template <int TT>
+void byte_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
+  constexpr int R = TT <= 4 ? 4 : 2;
+  for (int r0 = 0; r0 < kG; r0 += R) byte_rows<R, TT>(static_cast<const int8_t*>(q), r0, kb, x, t0, scale, res);
+}
+
+template <Ints I, int TT>
+void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
+  if constexpr (I == Ints::kNibbles)
+    nibble_pass<TT>(q, kb, x, t0, scale, res);
+  else
+    byte_pass<TT>(q, kb, x, t0, scale, res);
+}
+
+template <Ints I>
+constexpr IntPassFn kIntPass[kMaxT] = {&int_pass<I, 1>, &int_pass<I, 2>, &int_pass<I, 3>, &int_pass<I, 4>,
+                                       &int_pass<I, 5>, &int_pass<I, 6>, &int_pass<I, 7>, &int_pass<I, 8>};
+
+inline IntPassFn int_pass_fn(Ints ints, int tt) {
+  return ints == Ints::kNibbles ? kIntPass<Ints::kNibbles>[tt - 1] : kIntPass<Ints::kBytes>[tt - 1];
+}
+
+#else
+// Plain loops, the same sums in another order.
+inline void int_pass_plain(Ints ints, int tt, const void* q, int64_t kb, const QuantizedX& x, int64_t t0,
+                           const float* scale, float* res) {
+  for (int r = 0; r < kG; ++r)
+    for (int t = 0; t < tt; ++t) {
+      const int8_t* qx = x.q.data() + (t0 + t) * x.ldq;
+      float acc = 0.f;
+      for (int64_t b = 0; b < kb; ++b) {
+        int32_t dot = 0;
+        if (ints == Ints::kNibbles) {
+          const uint8_t* w = static_cast<const uint8_t*>(q) + (b * kG + r) * 16;
+          for (int j = 0; j < 16; ++j) dot += (w[j] & 15) * qx[b * 64 + j] + (w[j] >> 4) * qx[b * 64 + 32 + j];
+        } else {
+          const int8_t* w = static_cast<const int8_t*>(q) + (b * kG + r) * 32;
+          for (int j = 0; j < 32; ++j) dot += w[j] * qx[b * 32 + j];
+        }
+        acc += float(dot) * scale[b * kG + r] * x.d[(t0 + t) * kb + b];
+      }
+      res[r * tt + t] = acc;
+    }
+}
+#endif
+
+// out (T, N) = x @ W^T with x rounded to int8 per block; x (T, K) contiguous float32.
+template <class F, class O>
+void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo) {
+  static_assert(F::kInts != Ints::kNone && F::kSubs == 1, "a format with one scale per 32-block of quants");
+  constexpr bool nibbles = F::kInts == Ints::kNibbles;
+  const QuantizedX qx = quantize_x(x, T, K, nibbles, F::kOffset);
+  const int64_t kb = K / 32, group_bytes = kb * kG * (nibbles ? 16 : 32);
+  const auto* base = reinterpret_cast<const uint8_t*>(f.qs);
+  for_each_group(f, N, K, T, qx.sxe.data(), out, ldo,
+                 [&](int64_t g, int64_t t0, int tt, const float* scale, float* res) {
+                   const void* q = base + g * group_bytes;
+#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+                   int_pass_fn(F::kInts, tt)(q, kb, qx, t0, scale, res);
+#else
+                   int_pass_plain(F::kInts, tt, q, kb, qx, t0, scale, res);
+#endif
+                 });
+}
+
+}  // namespace shoal_quant
