@@ -27,9 +27,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.exact = True  # float32 as transformers computes it (fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.exact)
 
 
 def linear_add_reduce(
@@ -66,6 +67,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.backend = backend
+        self.exact = True  # float32 RoPE as transformers computes it (fused_ops)
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -79,7 +81,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             self._norm_heads(qkv)
         # q and k are adjacent: rotate both in place in one call.
-        rotate_heads_(qkv, rope, self.num_heads + self.num_kv_heads, self.head_dim, self.rotary_dim)
+        heads = self.num_heads + self.num_kv_heads
+        rotate_heads_(qkv, rope, heads, self.head_dim, self.rotary_dim, self.exact)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
             t, self.num_kv_heads, self.head_dim

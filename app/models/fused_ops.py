@@ -1,8 +1,10 @@
 """RMSNorm and RoPE with C++ fast paths (app/models/cpu_kernels) for reduced precision on
 CPU, where torch spends more time converting dtypes than computing.
 
-float32 always takes transformers' exact op sequence: the token-identical tests against
-transformers run in float32 and rely on it.
+float32 takes transformers' exact op sequence unless the caller passes exact=False: the
+token-identical tests against transformers run in float32 and rely on it. A model that
+cannot match transformers bit for bit anyway (quantized weights) passes False, and its
+float32 decode step then makes two kernel calls per layer where torch made ~20 ops.
 """
 
 import torch
@@ -13,14 +15,14 @@ from app.models import cpu_kernels
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, hd) float32
 
 
-def _kernels_for(x: torch.Tensor):  # noqa: ANN202 (an extension module or None)
-    if x.dtype == torch.float32 or x.device.type != "cpu":
+def _kernels_for(x: torch.Tensor, exact: bool):  # noqa: ANN202 (an extension module or None)
+    if (exact and x.dtype == torch.float32) or x.device.type != "cpu":
         return None
     return cpu_kernels.load()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    kernels = _kernels_for(x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True) -> torch.Tensor:
+    kernels = _kernels_for(x, exact)
     if kernels is not None and x.dim() == 2 and x.is_contiguous():
         return kernels.rms_norm(x, weight, eps)
     if x.dtype != torch.float32:
@@ -29,13 +31,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate_heads_(
-    x: torch.Tensor, rope: RopeTables, heads: int, head_dim: int, rotary_dim: int | None = None
+    x: torch.Tensor,
+    rope: RopeTables,
+    heads: int,
+    head_dim: int,
+    rotary_dim: int | None = None,
+    exact: bool = True,
 ) -> None:
     """Apply RoPE in place to the first `heads` heads of each row of x: (T, width); with
     `rotary_dim`, to the first rotary_dim channels of each head only (partial RoPE)."""
     cos, sin = rope
     rotary_dim = rotary_dim or head_dim
-    kernels = _kernels_for(x)
+    kernels = _kernels_for(x, exact)
     if kernels is not None and rotary_dim == head_dim:
         kernels.rotary_inplace(x, cos, sin, heads)
         return

@@ -12,6 +12,7 @@ from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.parallel import TPGroup, check_divisible
 from app.models.quantized_model import (
+    allow_inexact_float32,
     install,
     quantize_linears,
     quantized_bytes,
@@ -96,6 +97,8 @@ def load_model(
             raise ModelLoadError(source.name, "quantization 'int8' runs on one CPU shard only")
         model = model.to(dtype=dtype)
         quantize_linears(model)
+    if keep or quantization == "int8":
+        allow_inexact_float32(model)
     model = _ready(model, arch, dtype, device)
     logger.info(
         "loaded %s (%s, %s, quantization %s, %.0f MB of quantized weights) on %s",

@@ -82,5 +82,13 @@ def set_output_dtype(model: nn.Module, dtype: torch.dtype) -> None:
             module.out_dtype = dtype
 
 
+def allow_inexact_float32(model: nn.Module) -> None:
+    """Norms and RoPE through the C++ kernels in float32 too: a quantized model differs
+    from transformers' anyway, and those kernels replace ~20 small torch ops per layer."""
+    for module in model.modules():
+        if hasattr(module, "exact"):
+            module.exact = False
+
+
 def quantized_bytes(model: nn.Module) -> int:
     return sum(m.nbytes() for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))

@@ -53,3 +53,17 @@ class PackedWeight:
             raise ValueError(f"rows [{start}, {stop}) split a group of {GROUP}")
         g0, g1 = start // GROUP, -(-stop // GROUP)
         return PackedWeight(self.qtype, stop - start, self.k, tuple(p[g0:g1] for p in self.parts))
+
+
+def concat(weights: list[PackedWeight]) -> PackedWeight:
+    """Rows of several weights of one type and width, one after another, as one weight:
+    fused projections (q|k|v, gate|up) then cost one kernel call. All but the last must
+    hold whole groups, or padding rows would land between them."""
+    first = weights[0]
+    for w in weights:
+        if (w.qtype, w.k) != (first.qtype, first.k):
+            raise ValueError("only weights of one type and width concatenate")
+    if any(w.n % GROUP for w in weights[:-1]):
+        raise ValueError(f"every weight but the last must hold a multiple of {GROUP} rows")
+    parts = tuple(torch.cat(ps) for ps in zip(*(w.parts for w in weights), strict=True))
+    return PackedWeight(first.qtype, sum(w.n for w in weights), first.k, parts)
