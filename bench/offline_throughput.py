@@ -8,6 +8,12 @@ Both use the same dtype and thread count. Also measured: single-stream decode ms
 (32-token prompt, 128 new tokens), TTFT of a 512-token prompt, and peak throughput with
 128 concurrent sequences (128-token prompts, 128 new tokens).
 
+For a GGUF model, llama.cpp's own figures on the same file run in the same invocation
+when its binaries are found (`--llama-cpp DIR` or $SHOAL_LLAMA_CPP, see bench/llama_cpp_peer.py):
+llama-bench's decode ms/token and 512-token prompt time, beside Shoal's single-stream
+decode and TTFT(512). The weights' bytes, and the floor they set on a decode step (those
+bytes over this machine's measured read bandwidth), are printed too.
+
 `--arch FAMILY` (or `all`) runs the same comparison on a random checkpoint of each model
 family (tests/models/family_checkpoints.py) in its tiny test shape and in a realistic
 ~100M-parameter shape (`--shape`), written to a temporary directory: no downloads.
@@ -27,6 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_cpp_peer as llama_cpp  # noqa: E402
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.protocol import SamplingParams  # noqa: E402
@@ -128,6 +137,29 @@ def hf_single_stream(model, vocab: int) -> float:
     return ((t2 - t1) - (t1 - t0)) * 1000 / 128
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: parameters and buffers (RoPE tables aside),
+    quantized weights at their packed size."""
+    from app.models.quantized_model import quantized_bytes
+
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.dim() >= 2}
+    rope = {id(b) for name, b in model.named_buffers() if "rotary" in name}
+    plain = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in rope)
+    return plain + quantized_bytes(model)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s a full-thread sum over 256 MB reads (best of 5): the bound on a
+    weight-streaming decode step."""
+    x = torch.ones(64 << 20)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * x.element_size() / best
+
+
 def load_transformers_dense(model: str, dtype: torch.dtype):
     """transformers' own model, dense, in `dtype`. For a GGUF file transformers would keep
     the weights quantized and compute through its own kernels; for a like-for-like
@@ -203,6 +235,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-hf", action="store_true", help="only Shoal's figures")
+    parser.add_argument("--quantization", default=None, help="EngineConfig.quantization")
+    parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.arch:
@@ -231,16 +265,25 @@ def main() -> None:
 
 
 def run(model: str, args: argparse.Namespace) -> dict:
+    quant = {"quantization": args.quantization} if args.quantization else {}
     engine = LLMEngine(
         EngineConfig(
-            model=model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=2.0
+            model=model,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            kv_cache_memory_gib=2.0,
+            **quant,
         )
     )
     dtype = engine.config.torch_dtype
     vocab = engine.arch.vocab_size
+    weight_bytes = model_weight_bytes(engine.runner.model)
+    floor_ms = 1000 * weight_bytes / read_bandwidth()
     print(
-        f"model {engine.source.name}  dtype {dtype}  threads {args.threads}  "
-        f"KV blocks {engine.block_manager.num_blocks}x{engine.config.block_size}"
+        f"model {engine.source.name}  dtype {dtype}  quantization {engine.config.quantization}  "
+        f"threads {args.threads}  KV blocks {engine.block_manager.num_blocks}x"
+        f"{engine.config.block_size}\nweights {weight_bytes / 1e6:.1f} MB: decode floor "
+        f"{floor_ms:.2f} ms/token at this machine's read bandwidth"
     )
     work = make_workload(args.requests, vocab, seed=0)
     engine.generate([work[0][0]], SamplingParams(max_tokens=4))  # warm-up
@@ -259,12 +302,28 @@ def run(model: str, args: argparse.Namespace) -> dict:
     result = {
         "model": engine.source.name,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantization": engine.config.quantization,
         "threads": args.threads,
+        "weights_mb": round(weight_bytes / 1e6, 1),
+        "floor_ms": round(floor_ms, 2),
         "shoal_tok_s": round(shoal_tok_s, 1),
         "single_stream_ms": round(single_ms, 2),
         "ttft_512_ms": round(ttft_ms, 1),
         "peak_tok_s": round(peak, 1),
     }
+    llama_bench = llama_cpp.find("llama-bench", args.llama_cpp)
+    if engine.source.is_gguf and llama_bench:
+        path = str(engine.source.directory / engine.source.gguf_file)
+        peer = llama_cpp.llama_bench(llama_bench, path, args.threads)
+        print(
+            f"llama.cpp (llama-bench, same file): decode {peer['decode_ms']:.1f} ms/token  "
+            f"prompt(512) {peer['prompt_512_ms']:.0f} ms"
+        )
+        result.update(
+            llama_cpp_decode_ms=peer["decode_ms"],
+            llama_cpp_prompt_512_ms=peer["prompt_512_ms"],
+            decode_vs_llama_cpp=round(peer["decode_ms"] / single_ms, 2),
+        )
     if not args.skip_hf:
         del engine
         hf = load_transformers_dense(model, dtype)

@@ -11,8 +11,11 @@ streamed, 128 output tokens each (ignore_eos, greedy), with varied user messages
 
 Per N: aggregate output tokens/s, p50/p99 TTFT (request sent -> first text), p50
 inter-token latency, and through-Serve / in-process ratios. The peers' figures are the
-ones measured on this kind of machine with the same kind of client (see the issue); they
-are quoted, not rerun. The last line printed is a JSON object with every figure.
+ones measured on this kind of machine with the same kind of client (see the issue), quoted,
+except llama.cpp's: when its `llama-server` is found (`--llama-cpp DIR` or $SHOAL_LLAMA_CPP,
+bench/llama_cpp_peer.py), it serves the same GGUF file with the same threads and one slot
+per client, and the same clients run against it in the same invocation. The last line
+printed is a JSON object with every figure.
 """
 
 import argparse
@@ -27,8 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PEERS_32 = {"llama.cpp": 195.0, "vllm_cpu_bf16": 500.0}  # output tok/s at 32 streams
+import llama_cpp_peer as llama_cpp  # noqa: E402
+
+# Output tok/s at 32 streams measured on this kind of machine (quoted; llama.cpp's is
+# replaced by a side-by-side run when its server binary is found).
+PEERS_32 = {"llama.cpp": 195.0, "vllm_cpu_bf16": 500.0}
 SYSTEM = "You are a helpful assistant. Answer in detail."
 TOPICS = [
     "how tides work",
@@ -131,16 +139,12 @@ def bench_in_process(config, levels: list[tuple[int, int]], max_tokens: int) -> 
     return results
 
 
-# ---- through Serve ---------------------------------------------------------------------
-def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: int) -> dict:  # noqa: ANN001
+# ---- over HTTP: through Serve, and llama.cpp's server ------------------------------------
+def bench_http(
+    url: str, model: str, levels: list[tuple[int, int]], max_tokens: int, label: str
+) -> dict:
+    """The closed-loop levels against an OpenAI chat endpoint at `url`."""
     import httpx
-    import ray
-    from ray import serve
-
-    from deployments.builder import build_app
-
-    model = config.models[0].name
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
 
     async def one_request(run: Run, messages: list[dict], client: httpx.AsyncClient) -> None:
         body = {
@@ -154,7 +158,7 @@ def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: in
         }
         sent = time.perf_counter()
         arrivals, tokens = [], 0
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -166,27 +170,51 @@ def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: in
                     tokens = chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     arrivals.append(time.perf_counter())
-        record(run, sent, arrivals, tokens)
+        record(run, sent, arrivals, tokens or len(arrivals))
 
     async def level(n: int, rounds: int) -> Run:
         limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             return await closed_loop(n, rounds, lambda run, m: one_request(run, m, client))
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    asyncio.run(level(1, 1))  # warm-up
     results = {}
+    for n, rounds in levels:
+        results[n] = asyncio.run(level(n, rounds)).summary()
+        print(f"{label:10} N={n:<3} {results[n]}")
+    return results
+
+
+def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: int) -> dict:  # noqa: ANN001
+    import ray
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    ray.init(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
         wait_healthy(f"http://127.0.0.1:{port}/health")
-        asyncio.run(level(1, 1))  # warm-up
-        for n, rounds in levels:
-            results[n] = asyncio.run(level(n, rounds)).summary()
-            print(f"serve      N={n:<3} {results[n]}")
+        url = f"http://127.0.0.1:{port}"
+        return bench_http(url, config.models[0].name, levels, max_tokens, "serve")
     finally:
         serve.shutdown()
         ray.shutdown()
-    return results
+
+
+def bench_llama_server(
+    binary: str, config, levels: list[tuple[int, int]], max_tokens: int, port: int
+) -> dict:  # noqa: ANN001
+    """llama-server on the same GGUF file with the same threads, a slot per client."""
+    from app.models.source import resolve_model
+
+    engine = config.models[0].engine
+    source = resolve_model(engine.model)
+    path = str(source.directory / source.gguf_file)
+    slots = max(n for n, _ in levels)
+    with llama_cpp.LlamaServer(binary, path, engine.threads, port, slots, 512) as server:
+        return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
 
 
 def wait_healthy(url: str, timeout_s: float = 300) -> None:
@@ -213,14 +241,22 @@ def main() -> None:
     parser.add_argument(
         "--stream-messages-per-s", type=float, default=None, help="replica's message budget"
     )
+    parser.add_argument("--quantization", default=None, help="EngineConfig.quantization")
+    parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
+    parser.add_argument("--llama-port", type=int, default=8012)
     args = parser.parse_args()
     levels = [tuple(int(x) for x in part.split(":")) for part in args.levels.split(",")]
 
     from deployments.config import AppConfig
 
     settings: dict = {"embeddings": {"enabled": False}}
+    model: dict = {}
     if args.stream_messages_per_s is not None:
-        settings["models"] = [{"stream_messages_per_s": args.stream_messages_per_s}]
+        model["stream_messages_per_s"] = args.stream_messages_per_s
+    if args.quantization:
+        model["engine"] = {"quantization": args.quantization}
+    if model:
+        settings["models"] = [model]
     config = AppConfig.model_validate(settings)
     print(f"model {config.models[0].name}, threads {config.models[0].engine.threads}")
     if args.serve_only:
@@ -229,6 +265,11 @@ def main() -> None:
     local = bench_in_process(config, levels, args.max_tokens)
     gc.collect()
     served = bench_serve(config, levels, args.max_tokens, args.port)
+    peers = dict(PEERS_32)
+    llama_server = llama_cpp.find("llama-server", args.llama_cpp)
+    llama = None
+    if llama_server:
+        llama = bench_llama_server(llama_server, config, levels, args.max_tokens, args.llama_port)
 
     result: dict = {"levels": {}}
     for n, _ in levels:
@@ -250,7 +291,21 @@ def main() -> None:
     result["throughput_ratio_32"] = result["levels"][top]["throughput_ratio"]
     result["ttft_overhead_ms_1"] = result["levels"][low]["ttft_overhead_ms"]
     result["serve_tok_s_32"] = served[top]["tok_s"]
-    for peer, tok_s in PEERS_32.items():
+    if llama is not None:
+        result["llama_cpp"] = llama
+        peers["llama.cpp"] = llama[top]["tok_s"]
+        result["itl_1_ms"] = {
+            "serve": served[low]["itl_p50_ms"],
+            "llama.cpp": llama[low]["itl_p50_ms"],
+        }
+        for n, _ in levels:
+            print(
+                f"N={n:<3} serve {served[n]['tok_s']:.1f} tok/s, ITL {served[n]['itl_p50_ms']} ms"
+                f"  |  llama.cpp {llama[n]['tok_s']:.1f} tok/s, ITL {llama[n]['itl_p50_ms']} ms"
+                f"  |  ratio {served[n]['tok_s'] / llama[n]['tok_s']:.2f}x"
+            )
+    result["peers_measured_here"] = llama is not None
+    for peer, tok_s in peers.items():
         result[f"vs_{peer}_32"] = round(served[top]["tok_s"] / tok_s, 3)
     print(json.dumps(result))
 
