@@ -21,10 +21,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
-    """The real default model (SmolLM2-135M-Instruct from its GGUF), float32 for exactness."""
+    """The real default model (SmolLM2-135M-Instruct from its GGUF), dequantized to float32:
+    exact against transformers."""
     from app.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", num_threads=2, kv_cache_memory_gib=0.5))
+    return LLMEngine(
+        EngineConfig(dtype="float32", quantization="none", num_threads=2, kv_cache_memory_gib=0.5)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -21,11 +21,11 @@ class EngineConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     quantization: Literal["auto", "none", "gguf", "int8"] = Field(
-        "none",
-        description="'none': weights dequantized to `dtype`; 'auto': a GGUF file's quantized "
-        "weights stay as stored on a CPU with the kernels (one shard), else dequantized; 'gguf': "
-        "the same, or fail; 'int8': every linear layer quantized at load (Q8_0 blocks). "
-        "(The default becomes 'auto' once the quantized path is measured against llama.cpp.)",
+        "auto",
+        description="'auto': a GGUF file's quantized weights stay as stored on a CPU with the "
+        "kernels (one shard), else they are dequantized to `dtype`; 'gguf': the same, or fail; "
+        "'none': dequantized to `dtype`; 'int8': every linear layer quantized at load (Q8_0 "
+        "blocks).",
     )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(
