@@ -18,7 +18,10 @@
 //
 // kGemvMaxT: up to this many rows of x, quant_matmul's automatic choice is the GEMV, past
 // it dequantised tiles and at::mm; where the two cross on AVX2 (Zen 3, 2 threads), as
-// bench/quant_gemv.py measures it. The K types decode slower, so their GEMV gives up sooner.
+// bench/quant_gemv.py measures it (1536x576). The int8 GEMV (kInts) moved it from 16 to
+// 48-192 for the 4-bit types and ~32-48 for Q8_0; we stop at 48 and 32, as x's int8 rows,
+// re-read per row group, outgrow L2 sooner on wider K. Q6_K (float x only) decodes
+// slower, so its GEMV gives up sooner.
 #pragma once
 
 #include <torch/extension.h>
@@ -48,7 +51,7 @@ struct Q4_0 {  // w = d * (q - 8) = d * q + (-8 d)
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
-  static constexpr int64_t kGemvMaxT = 16;
+  static constexpr int64_t kGemvMaxT = 48;
   const uint8_t* qs;
   const uint16_t* d;
   int64_t kb;
@@ -64,7 +67,7 @@ struct Q4_1 {  // w = d * q + m
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
-  static constexpr int64_t kGemvMaxT = 16;
+  static constexpr int64_t kGemvMaxT = 48;
   const uint8_t* qs;
   const uint16_t *d, *m;
   int64_t kb;
@@ -81,7 +84,7 @@ struct Q8_0 {  // w = d * q
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
   static constexpr Ints kInts = Ints::kBytes;
-  static constexpr int64_t kGemvMaxT = 16;
+  static constexpr int64_t kGemvMaxT = 32;
   const int8_t* qs;
   const uint16_t* d;
   int64_t kb;
@@ -100,7 +103,7 @@ struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
-  static constexpr int64_t kGemvMaxT = 12;
+  static constexpr int64_t kGemvMaxT = 48;
   const uint8_t *qs, *sc, *mn;
   const uint16_t *d, *dmin;
   int64_t kb;

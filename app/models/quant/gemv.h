@@ -4,7 +4,8 @@
 // there, so weights stream from memory once per call. A block's partial dot products are
 // scaled once (sum_i d q_i x_i = d sum_i q_i x_i); Q4 offsets need only per-block sums of
 // x (sum_i m x_i = m sum_i x_i), precomputed per call. Activations stay float32: the
-// result differs from exact dequantisation + float matmul only in summation order.
+// result differs from exact dequantisation + float matmul only in summation order
+// (gemv_i8.h, the default where a format has it, rounds them to int8 and runs faster).
 //
 // Work goes by row group (formats.h): threads split the groups, and within one the rows
 // are taken R at a time (4 for one or two rows of x, 2 for up to four, else 1), so R rows
@@ -95,12 +96,12 @@ inline void add_offsets(const float* off, const float* sxe, int64_t n, int64_t t
 }
 
 // The GEMV's frame, whatever the activations: threads split the row groups; per group its
-// scales, then x's rows kMaxT at a time: pass(g, t0, tt, scale, res) fills res[r * tt + t]
+// scales, then x's rows max_t (<= kMaxT) at a time: pass(g, t0, tt, scale, res) fills res[r * tt + t]
 // for the group's kG rows without offset terms, which come from sxe ((T, kb * kG), per-block
 // sums of x as add_offsets reads them); then the rows go to out ((T, N), rows ldo apart).
 template <class F, class O, class Pass>
 void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sxe, O* out, int64_t ldo,
-                    const Pass& pass) {
+                    const Pass& pass, int max_t = kMaxT) {
   const int64_t kb = K / 32, groups = (N + kG - 1) / kG;
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG));
@@ -110,9 +111,9 @@ void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sx
     for (int64_t g = begin; g < end; ++g) {
       const int rows = int(std::min<int64_t>(kG, N - g * kG));  // the last group may be padded
       f.scales(g, scale.data(), off.data());
-      // Past kMaxT rows of x, each pass over the group reads it from L1, not memory.
-      for (int64_t t0 = 0; t0 < T; t0 += kMaxT) {
-        const int tt = int(std::min<int64_t>(kMaxT, T - t0));
+      // Past max_t rows of x, each pass over the group reads it from L1, not memory.
+      for (int64_t t0 = 0; t0 < T; t0 += max_t) {
+        const int tt = int(std::min<int64_t>(max_t, T - t0));
         pass(g, t0, tt, scale.data(), res);
         if constexpr (F::kOffset) add_offsets(off.data(), sxe + t0 * kb * kG, kb * kG, tt, res);
         for (int r = 0; r < rows; ++r)

@@ -19,6 +19,10 @@
 
 namespace shoal_quant {
 
+// Rows of x per pass over a group: past four, the accumulators of four rows crowd the 16
+// registers, and a second pass re-reads the group from L1 for about the same cost.
+constexpr int kIntMaxT = 4;
+
 // A group's kG rows (quants at q, blocks of kG rows apart) against tt rows of x, scales as
 // F::scales gives them: res[r * tt + t] = sum_b scale[b, r] d_x[t, b] sum_i q[r, i] q_x[t, i].
 using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
@@ -44,7 +48,7 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
     const __m256i lo01 = _mm256_and_si256(v01, m4), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), m4);
     const __m256i lo23 = _mm256_and_si256(v23, m4), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), m4);
     const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scale + b * kG)), lanes);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
       const __m256i* xb = reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 64);
       const __m256i xlo = _mm256_loadu_si256(xb), xhi = _mm256_loadu_si256(xb + 1);
@@ -62,67 +66,48 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
   }
 }
 
+// All four rows of the group; lanes of acc[t] hold rows (0 1 2 3 0 1 2 3).
 template <int TT>
-void nibble_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
-  nibble_rows<TT>(static_cast<const uint8_t*>(q), kb, x, t0, scale, res);
-}
-
-// Rows r0..r0+R-1 (R = 2 or 4); lanes of acc[t] hold rows (0 1 2 3 0 1 2 3), or (0 0 1 1 ...).
-template <int R, int TT>
-void byte_rows(const int8_t* q, int r0, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
-               float* res) {
-  static_assert(R == 2 || R == 4);
+void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i lanes = R == 4 ? _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
   const int8_t* qx = x.q.data() + t0 * x.ldq;
   const float* dx = x.d.data() + t0 * kb;
   __m256 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
-    __m256i w[R], aw[R];
-    for (int r = 0; r < R; ++r) {
-      w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b * kG + r0 + r) * 32));
+    __m256i w[kG], aw[kG];
+    for (int r = 0; r < kG; ++r) {
+      w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b * kG + r) * 32));
       aw[r] = _mm256_sign_epi8(w[r], w[r]);  // |w|: -128 too, as unsigned 128
     }
-    const __m256 sw =
-        _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scale + b * kG + r0)), lanes);
-#pragma GCC unroll 8
+    const __m256 sw = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale + b * kG));
+#pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
       const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 32));
-      __m256i i[R];
-      for (int r = 0; r < R; ++r)  // int16 sums of two products: 128 * 127 * 2 fits
+      __m256i i[kG];
+      for (int r = 0; r < kG; ++r)  // int16 sums of two products: 128 * 127 * 2 fits
         i[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xt, w[r])), ones);
-      __m256i h = _mm256_hadd_epi32(i[0], i[1]);
-      if constexpr (R == 4) h = _mm256_hadd_epi32(h, _mm256_hadd_epi32(i[2], i[3]));
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(i[0], i[1]), _mm256_hadd_epi32(i[2], i[3]));
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), sw), _mm256_set1_ps(dx[t * kb + b]), acc[t]);
     }
   }
   for (int t = 0; t < TT; ++t) {
     float l[8];
     _mm256_storeu_ps(l, acc[t]);
-    for (int r = 0; r < R; ++r)
-      res[(r0 + r) * TT + t] = R == 4 ? l[r] + l[r + 4] : l[2 * r] + l[2 * r + 1] + l[2 * r + 4] + l[2 * r + 5];
+    for (int r = 0; r < kG; ++r) res[r * TT + t] = l[r] + l[r + 4];
   }
-}
-
-// Four rows while their registers leave room for x's rows' accumulators.
-template <int TT>
-void byte_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
-  constexpr int R = TT <= 4 ? 4 : 2;
-  for (int r0 = 0; r0 < kG; r0 += R) byte_rows<R, TT>(static_cast<const int8_t*>(q), r0, kb, x, t0, scale, res);
 }
 
 template <Ints I, int TT>
 void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
   if constexpr (I == Ints::kNibbles)
-    nibble_pass<TT>(q, kb, x, t0, scale, res);
+    nibble_rows<TT>(static_cast<const uint8_t*>(q), kb, x, t0, scale, res);
   else
-    byte_pass<TT>(q, kb, x, t0, scale, res);
+    byte_rows<TT>(static_cast<const int8_t*>(q), kb, x, t0, scale, res);
 }
 
 template <Ints I>
-constexpr IntPassFn kIntPass[kMaxT] = {&int_pass<I, 1>, &int_pass<I, 2>, &int_pass<I, 3>, &int_pass<I, 4>,
-                                       &int_pass<I, 5>, &int_pass<I, 6>, &int_pass<I, 7>, &int_pass<I, 8>};
+constexpr IntPassFn kIntPass[kIntMaxT] = {&int_pass<I, 1>, &int_pass<I, 2>, &int_pass<I, 3>, &int_pass<I, 4>};
 
 inline IntPassFn int_pass_fn(Ints ints, int tt) {
   return ints == Ints::kNibbles ? kIntPass<Ints::kNibbles>[tt - 1] : kIntPass<Ints::kBytes>[tt - 1];
@@ -168,7 +153,8 @@ void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out
 #else
                    int_pass_plain(F::kInts, tt, q, kb, qx, t0, scale, res);
 #endif
-                 });
+                 },
+                 kIntMaxT);
 }
 
 }  // namespace shoal_quant
