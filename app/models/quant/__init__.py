@@ -119,9 +119,8 @@ def matmul(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
         out.copy_(x.float() @ dequantize_packed(packed).T)
     else:
         activations = 1 if float_activations else 0  # kernels.cpp's kFloat, kAuto
-        module.quant_matmul(
-            x, int(packed.qtype), list(packed.parts), packed.n, packed.k, out, 0, 0, activations
-        )
+        qtype, parts = packed.kernel_args  # converted once: a decode step makes ~120 calls
+        module.quant_matmul(x, qtype, parts, packed.n, packed.k, out, 0, 0, activations)
     return out
 
 

@@ -7,6 +7,7 @@ array instead of four short runs (formats.h says why). Every part is (ceil(N / 4
 tensor-parallel shard) is a PackedWeight of its own without copying.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,11 @@ class PackedWeight:
 
     def part(self, name: str) -> torch.Tensor:
         return self.parts[PART_NAMES[self.qtype].index(name)]
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int, list[torch.Tensor]]:
+        """(GGML type id, parts) as the C++ kernels take them, converted once."""
+        return int(self.qtype), list(self.parts)
 
     @property
     def nbytes(self) -> int:
