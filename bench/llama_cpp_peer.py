@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -66,13 +67,20 @@ def perplexity(binary: str, model: str, text_file: str, threads: int, ctx: int) 
     return float(found.group(1))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LlamaServer:
     """llama-server for the duration of a `with`: `slots` parallel sequences, each with
     `ctx_per_slot` tokens of context, answering OpenAI's routes at `.url`."""
 
     def __init__(
-        self, binary: str, model: str, threads: int, port: int, slots: int, ctx_per_slot: int
+        self, binary: str, model: str, threads: int, port: int | None, slots: int, ctx_per_slot: int
     ) -> None:
+        port = port or free_port()  # a fixed one may still be held by the Ray just shut down
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [
             binary,

@@ -204,7 +204,7 @@ def bench_serve(config, levels: list[tuple[int, int]], max_tokens: int, port: in
 
 
 def bench_llama_server(
-    binary: str, config, levels: list[tuple[int, int]], max_tokens: int, port: int
+    binary: str, config, levels: list[tuple[int, int]], max_tokens: int, port: int | None
 ) -> dict:  # noqa: ANN001
     """llama-server on the same GGUF file with the same threads, a slot per client."""
     from app.models.source import resolve_model
@@ -243,7 +243,7 @@ def main() -> None:
     )
     parser.add_argument("--quantization", default=None, help="EngineConfig.quantization")
     parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
-    parser.add_argument("--llama-port", type=int, default=8012)
+    parser.add_argument("--llama-port", type=int, default=None, help="default: a free one")
     args = parser.parse_args()
     levels = [tuple(int(x) for x in part.split(":")) for part in args.levels.split(",")]
 
