@@ -4,7 +4,9 @@ Workload (fixed seed): 128 requests, prompt lengths uniform in [16, 512], output
 uniform in [16, 256] with EOS ignored. Shoal takes them all at once (continuous
 batching); transformers runs static batches of 16 in arrival order with left padding,
 each batch generating until its longest request is done (only requested tokens count).
-Both use the same dtype and thread count. Also measured: single-stream decode ms/token
+Both use the same dtype and thread count; Shoal runs its default `quantization` (a
+GGUF's blocks kept, where transformers gets the dequantized weights) unless
+`--quantization none`. Also measured: single-stream decode ms/token
 (32-token prompt, 128 new tokens), TTFT of a 512-token prompt, and peak throughput with
 128 concurrent sequences (128-token prompts, 128 new tokens).
 

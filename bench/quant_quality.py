@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,8 +69,13 @@ def engine_for(model: str, quantization: str, dtype: str, threads: int) -> LLMEn
 
 
 def perplexity(engine: LLMEngine, ids: list[int], ctx: int) -> tuple[float, int]:
-    """exp(mean NLL) of the second half of each ctx-token window, and how many scored."""
+    """exp(mean NLL) of the second half of each ctx-token window, and how many scored: as
+    llama-perplexity, the logits at positions first .. ctx-2 (first = ctx / 2) predict
+    the tokens after them."""
+    if len(ids) < ctx:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}")
     model = engine.runner.model
+    first = ctx // 2
     hidden: list[torch.Tensor] = []
     hook = model.model.register_forward_hook(lambda m, a, out: hidden.append(out.detach()))
     nll, scored = 0.0, 0
@@ -81,8 +87,11 @@ def perplexity(engine: LLMEngine, ids: list[int], ctx: int) -> tuple[float, int]
             h = torch.cat(hidden)[: len(window)]  # the prefill chunks, in order
             assert h.shape[0] == len(window), "the window must be one prefill"
             with torch.inference_mode():
-                logits = model.lm_head(h[ctx // 2 - 1 : -1]).float()[:, : engine.arch.vocab_size]
-            targets = torch.tensor(window[ctx // 2 :])
+                logits = model.lm_head(h[first:-1]).float()[:, : engine.arch.vocab_size]
+            if engine.arch.final_softcap:  # Gemma 2, as DecoderForCausalLM.forward does
+                cap = engine.arch.final_softcap
+                logits = torch.tanh(logits / cap) * cap
+            targets = torch.tensor(window[first + 1 :])
             nll -= float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum())
             scored += len(targets)
     finally:
@@ -122,7 +131,7 @@ def main() -> None:
     result: dict = {"ctx": args.ctx, "greedy_tokens": args.tokens}
     outputs = {}
     for label, quantization, dtype in (
-        ("quantized", "auto", "auto"),
+        ("quantized", "gguf", "auto"),  # gguf: fail rather than dequantize quietly
         ("bfloat16", "none", "bfloat16"),
         ("float32", "none", "float32"),
     ):
@@ -148,10 +157,13 @@ def main() -> None:
     binary = llama_cpp.find("llama-perplexity", args.llama_cpp)
     if binary and source.is_gguf:
         path = str(source.directory / source.gguf_file)
-        result["ppl_llama_cpp"] = llama_cpp.perplexity(
-            binary, path, str(TEXT), args.threads, args.ctx
-        )
-        print(f"llama.cpp  (llama-perplexity, same file): perplexity {result['ppl_llama_cpp']:.3f}")
+        try:
+            ppl = llama_cpp.perplexity(binary, path, str(TEXT), args.threads, args.ctx)
+        except (RuntimeError, subprocess.SubprocessError) as exc:  # e.g. text < 2 windows
+            print(f"llama-perplexity failed: {exc}")
+        else:
+            result["ppl_llama_cpp"] = ppl
+            print(f"llama.cpp  (llama-perplexity, same file): perplexity {ppl:.3f}")
     print(json.dumps(result))
 
 

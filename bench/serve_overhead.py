@@ -266,9 +266,11 @@ def main() -> None:
     gc.collect()
     served = bench_serve(config, levels, args.max_tokens, args.port)
     peers = dict(PEERS_32)
+    from app.models.source import resolve_model
+
     llama_server = llama_cpp.find("llama-server", args.llama_cpp)
     llama = None
-    if llama_server:
+    if llama_server and resolve_model(config.models[0].engine.model).is_gguf:
         llama = bench_llama_server(llama_server, config, levels, args.max_tokens, args.llama_port)
 
     result: dict = {"levels": {}}

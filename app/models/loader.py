@@ -97,7 +97,7 @@ def load_model(
             raise ModelLoadError(source.name, "quantization 'int8' runs on one CPU shard only")
         model = model.to(dtype=dtype)
         quantize_linears(model)
-    if keep or quantization == "int8":
+    if quantized_bytes(model):  # an F32/F16 GGUF keeps transformers' exact float32 ops
         allow_inexact_float32(model)
     model = _ready(model, arch, dtype, device)
     logger.info(
