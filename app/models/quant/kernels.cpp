@@ -90,8 +90,30 @@ void check_float(const Tensor& t, const char* what) {
 
 enum Activations : int64_t { kAuto = 0, kFloat = 1, kInt8 = 2 };
 
+// x rounded to int8 per 32-block and back to float (quantize_x.h's rounding): tiles fed
+// this compute what the int8 GEMV computes, up to summation order. Without it a
+// sequence's logits would depend on how many tokens share its step (a prefix-cache hit
+// or a prefill chunk of <= kGemvMaxT rows takes the GEMV, a longer one the tiles), and
+// the same greedy request could answer differently the second time.
+Tensor round_like_int8(const Tensor& xf) {
+  const int64_t T = xf.size(0), K = xf.size(1);
+  Tensor rounded = at::empty_like(xf);
+  const float* x = xf.data_ptr<float>();
+  float* y = rounded.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    int8_t q[32];
+    int32_t sum;
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = 0; i < K; i += 32) {
+        const float d = quantize_block(x + t * K + i, q, false, &sum);
+        for (int j = 0; j < 32; ++j) y[t * K + i + j] = float(q[j]) * d;
+      }
+  });
+  return rounded;
+}
+
 // mode: 0 picks by T (GEMV up to the format's kGemvMaxT rows), 1 forces GEMV, 2 forces tiles.
-// activations (the GEMV's; tiles are float): kAuto rounds x to int8 per block where the
+// activations: kAuto rounds x to int8 per block (tiles: round_like_int8) where the
 // format has an integer kernel (gemv_i8.h: faster, llama.cpp's accuracy), kFloat keeps
 // float32 x (exact but for summation order), kInt8 insists on int8.
 void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
@@ -108,11 +130,11 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
     if (T == 0 || n == 0) return;
     const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
     using F = std::decay_t<decltype(f)>;
+    constexpr bool has_ints = F::kInts != Ints::kNone;
     if (mode == 2 || (mode == 0 && T > F::kGemvMaxT)) {
-      tiled(f, n, k, xf, out, tile_rows);
+      tiled(f, n, k, has_ints && activations != kFloat ? round_like_int8(xf) : xf, out, tile_rows);
       return;
     }
-    constexpr bool has_ints = F::kInts != Ints::kNone;
     TORCH_CHECK(has_ints || activations != kInt8, "GGML type ", qtype, " has no int8-activation kernel");
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_matmul", [&] {
       if constexpr (has_ints) {
