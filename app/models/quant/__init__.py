@@ -5,10 +5,13 @@ so a decode step reads each weight byte once instead of a bfloat16 copy 2-3x its
     matmul(x, packed, out=fused[:, 0:576])        # out = x @ W^T, out may be a column slice
     embedding(ids, packed, torch.bfloat16)        # dequantised rows
 
-Decode-sized products (few rows of x) round x to int8 per 32-block where the type has an
-integer kernel (Q4_0, Q4_1, Q8_0, Q4_K; gemv_i8.h), as llama.cpp does on every CPU matmul:
-1.5-2x faster than float32 x, which SHOAL_QUANT_ACTIVATIONS=float (or setting
-`float_activations`) keeps, exact but for summation order.
+x stays float32 by default: results are the dequantized weights' but for summation
+order. SHOAL_QUANT_ACTIVATIONS=int8 (or float_activations = False) rounds x to int8 per
+32-block where the type has an integer kernel (Q4_0, Q4_1, Q8_0, Q4_K; gemv_i8.h), as
+llama.cpp does on every CPU matmul: 1.3-1.5x faster products, but the rounding turns the
+attention kernels' summation-order differences into visible ones, so a context filled
+piecewise (Parrot's fill/generate) no longer continues exactly as the same tokens sent
+whole.
 
 The C++ kernels (kernels.cpp) are compiled on first use like app.models.cpu_kernels: cached
 under ~/.cache/torch_extensions by a hash of the sources and the CPU flags. `load()` returns
@@ -49,7 +52,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _modules: dict[bool, ModuleType | None] = {}
 # Read per call by matmul: tests (and a caller wanting exact products) may set it.
-float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "int8") == "float"
+float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "float") != "int8"
 _SOURCES = ("kernels.cpp", "formats.h", "gemv.h", "gemv_i8.h", "quantize_x.h", "simd.h")
 
 
@@ -111,7 +114,7 @@ def available() -> bool:
 def matmul(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """out (T, N) = x (T, K) @ W^T. x is float32, bfloat16 or float16; out defaults to a new
     tensor of x's dtype and may be a column slice of a wider one (unit column stride). With
-    the kernels, decode-sized x is rounded to int8 per block unless float_activations."""
+    the kernels and float_activations off, x is rounded to int8 per block."""
     if out is None:
         out = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
     module = load()
