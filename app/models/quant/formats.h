@@ -21,7 +21,8 @@
 // bench/quant_gemv.py measures it (1536x576). The int8 GEMV (kInts) moved it from 16 to
 // 48-192 for the 4-bit types and ~32-48 for Q8_0; we stop at 48 and 32, as x's int8 rows,
 // re-read per row group, outgrow L2 sooner on wider K. Q6_K (float x only) decodes
-// slower, so its GEMV gives up sooner.
+// slower, so its GEMV gives up sooner. kFloatGemvMaxT: the same crossover for the float-x
+// GEMV (the default activations), as measured before the int8 GEMV existed.
 #pragma once
 
 #include <torch/extension.h>
@@ -52,6 +53,7 @@ struct Q4_0 {  // w = d * (q - 8) = d * q + (-8 d)
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
   static constexpr int64_t kGemvMaxT = 48;
+  static constexpr int64_t kFloatGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t* d;
   int64_t kb;
@@ -68,6 +70,7 @@ struct Q4_1 {  // w = d * q + m
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
   static constexpr int64_t kGemvMaxT = 48;
+  static constexpr int64_t kFloatGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t *d, *m;
   int64_t kb;
@@ -85,6 +88,7 @@ struct Q8_0 {  // w = d * q
   static constexpr bool kOffset = false;
   static constexpr Ints kInts = Ints::kBytes;
   static constexpr int64_t kGemvMaxT = 32;
+  static constexpr int64_t kFloatGemvMaxT = 16;
   const int8_t* qs;
   const uint16_t* d;
   int64_t kb;
@@ -104,6 +108,7 @@ struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
   static constexpr int64_t kGemvMaxT = 48;
+  static constexpr int64_t kFloatGemvMaxT = 12;
   const uint8_t *qs, *sc, *mn;
   const uint16_t *d, *dmin;
   int64_t kb;
@@ -131,6 +136,7 @@ struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
   static constexpr bool kOffset = false;
   static constexpr Ints kInts = Ints::kNone;
   static constexpr int64_t kGemvMaxT = 12;
+  static constexpr int64_t kFloatGemvMaxT = 12;
   const uint8_t *lo, *hi;
   const int8_t* sc;
   const uint16_t* d;

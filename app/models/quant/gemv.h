@@ -5,7 +5,7 @@
 // scaled once (sum_i d q_i x_i = d sum_i q_i x_i); Q4 offsets need only per-block sums of
 // x (sum_i m x_i = m sum_i x_i), precomputed per call. Activations stay float32: the
 // result differs from exact dequantisation + float matmul only in summation order
-// (gemv_i8.h, the default where a format has it, rounds them to int8 and runs faster).
+// (gemv_i8.h, opt-in where a format has it, rounds them to int8 and runs faster).
 //
 // Work goes by row group (formats.h): threads split the groups, and within one the rows
 // are taken R at a time (4 for one or two rows of x, 2 for up to four, else 1), so R rows

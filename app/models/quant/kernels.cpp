@@ -131,8 +131,9 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
     const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
     using F = std::decay_t<decltype(f)>;
     constexpr bool has_ints = F::kInts != Ints::kNone;
-    if (mode == 2 || (mode == 0 && T > F::kGemvMaxT)) {
-      tiled(f, n, k, has_ints && activations != kFloat ? round_like_int8(xf) : xf, out, tile_rows);
+    const bool int8 = has_ints && activations != kFloat;
+    if (mode == 2 || (mode == 0 && T > (int8 ? F::kGemvMaxT : F::kFloatGemvMaxT))) {
+      tiled(f, n, k, int8 ? round_like_int8(xf) : xf, out, tile_rows);
       return;
     }
     TORCH_CHECK(has_ints || activations != kInt8, "GGML type ", qtype, " has no int8-activation kernel");
@@ -197,5 +198,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("activations") = 0);
   m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised");
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
-  m.def("gemv_max_t", &gemv_max_t, "rows of x up to which quant_matmul picks the GEMV for a GGML type");
+  m.def("gemv_max_t", &gemv_max_t, "rows of x up to which quant_matmul picks the int8 GEMV for a GGML type");
 }
