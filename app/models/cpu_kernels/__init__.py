@@ -9,11 +9,11 @@ fails, or SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
 import hashlib
 import logging
 import os
-import shutil
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
+
+from app.models.kernel_build import build_extension, cpu_signature
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -25,12 +25,7 @@ def _build_signature(source: Path) -> str:
     """CPU flags and source in one hash, for the build's cache name: -march=native makes a
     build valid only on CPUs with the same features, and an edited kernels.cpp must not
     find an older build of itself under the same name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(flags.encode() + source.read_bytes()).hexdigest()[:10]
+    return hashlib.sha1(cpu_signature() + source.read_bytes()).hexdigest()[:10]
 
 
 def load() -> ModuleType | None:
@@ -41,21 +36,13 @@ def load() -> ModuleType | None:
         _tried = True
         if os.environ.get("SHOAL_CPU_KERNELS", "1") == "0":
             return None
-        # torch runs `ninja` from PATH; the one pip installed sits next to our python.
-        if shutil.which("ninja") is None:
-            os.environ["PATH"] = (
-                os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-            )
         try:
-            from torch.utils.cpp_extension import load as build
-
             source = Path(__file__).with_name("kernels.cpp")
-            _module = build(
-                name=f"shoal_cpu_kernels_{_build_signature(source)}",
-                sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
+            _module = build_extension(
+                f"shoal_cpu_kernels_{_build_signature(source)}",
+                [str(source)],
+                ["-O3", "-march=native", "-fopenmp"],
+                ["-fopenmp"],
             )
         except Exception as exc:  # no compiler, no headers: the torch path still works
             logger.warning("CPU paged-attention kernels unavailable, using torch ops: %s", exc)

@@ -22,14 +22,13 @@ dequantise with gguf's numpy code and use torch (exact, slow).
 import hashlib
 import logging
 import os
-import shutil
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from app.models.kernel_build import build_extension, cpu_signature
 from app.models.quant.formats import QuantType, dequantize
 from app.models.quant.packed_weight import PackedWeight
 from app.models.quant.packing import dequantize_packed, pack, unpack
@@ -59,12 +58,7 @@ _SOURCES = ("kernels.cpp", "formats.h", "gemv.h", "gemv_i8.h", "quantize_x.h", "
 def _build_signature(portable: bool) -> str:
     """CPU flags and sources in one hash: -march=native builds are valid only on CPUs with
     the same features, and an edited source must not find an older build of itself."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    digest = hashlib.sha1(flags.encode() + str(portable).encode())
+    digest = hashlib.sha1(cpu_signature() + str(portable).encode())
     for name in _SOURCES:
         digest.update(Path(__file__).with_name(name).read_bytes())
     return digest.hexdigest()[:10]
@@ -85,22 +79,14 @@ def load(portable: bool = False) -> ModuleType | None:
 
 
 def _build(portable: bool) -> ModuleType | None:
-    # torch runs `ninja` from PATH; the one pip installed sits next to our python.
-    if shutil.which("ninja") is None:
-        os.environ["PATH"] = (
-            os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-        )
     try:
-        from torch.utils.cpp_extension import load as build
-
         variant = "portable" if portable else "native"
-        return build(
-            name=f"shoal_quant_kernels_{variant}_{_build_signature(portable)}",
-            sources=[str(Path(__file__).with_name("kernels.cpp"))],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"]
+        return build_extension(
+            f"shoal_quant_kernels_{variant}_{_build_signature(portable)}",
+            [str(Path(__file__).with_name("kernels.cpp"))],
+            ["-O3", "-march=native", "-fopenmp"]
             + (["-DSHOAL_QUANT_PORTABLE", "-DSHOAL_QUANT_PORTABLE_WIDTH=16"] if portable else []),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
+            ["-fopenmp"],
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works
         logger.warning("quantised-weight kernels unavailable, dequantising instead: %s", exc)

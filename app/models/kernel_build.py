@@ -1,0 +1,64 @@
+"""Compiling Shoal's C++ kernels with torch's extension builder, safely across processes.
+
+torch serialises concurrent builds of one extension with a lock *file* in its build
+directory. A builder that dies mid-compile (a replica killed by Ray, a test's timeout, a
+session ending) leaves that file behind, and every later process then waits for it
+forever: a replica that never starts, with nothing in its log. Here each build first takes
+an flock on a file of its own, which the kernel releases when its holder dies; every
+builder takes it, so a torch lock file still present once it is held is a dead builder's.
+
+    module = build_extension("shoal_cpu_kernels_0123abcd", [source], ["-O3"], ["-fopenmp"])
+
+scripts/setup.sh builds the kernels once, so that replicas and tests find them compiled.
+"""
+
+import fcntl
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def cpu_signature() -> bytes:
+    """The CPU's feature flags: a -march=native build runs only on CPUs that have them, so
+    they belong in a build's cache name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").encode()
+    except OSError:
+        return b""
+
+
+def build_directory(name: str) -> Path:
+    """Where `name` is built and cached: under TORCH_EXTENSIONS_DIR when set, else torch's
+    default root (~/.cache/torch_extensions)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+
+
+def build_extension(
+    name: str, sources: list[str], extra_cflags: list[str], extra_ldflags: list[str]
+) -> ModuleType:
+    """Compile (or load the cached build of) a C++ extension; raises when it cannot."""
+    from torch.utils.cpp_extension import load
+
+    # torch runs `ninja` from PATH; the one pip installed sits next to our python.
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = (
+            os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        )
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        (directory / "lock").unlink(missing_ok=True)  # a dead builder's (see above)
+        return load(
+            name=name,
+            sources=sources,
+            extra_cflags=extra_cflags,
+            extra_ldflags=extra_ldflags,
+            build_directory=str(directory),
+            verbose=False,
+        )
