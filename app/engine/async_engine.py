@@ -18,6 +18,7 @@ import torch
 from app.engine.client import EngineDeadError, EngineUnavailableError
 from app.engine.context_files import ContextFiles
 from app.engine.engine import LLMEngine
+from app.engine.openmp_threads import release_pool, run_then_release
 from app.engine.streams import DeltaStreams
 from app.protocol.messages import EngineRequest
 from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, TokenDelta
@@ -39,6 +40,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._error: BaseException | None = None
         self.last_step_at = time.monotonic()
+        release_pool()  # the loading thread's OpenMP workers would halve the loop's speed
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -107,7 +109,9 @@ class AsyncEngine:
 
     async def _in_file_thread(self, fn: Callable[..., ContextFile], *args: object) -> ContextFile:
         self._raise_if_dead()
-        return await asyncio.get_running_loop().run_in_executor(self._file_io, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._file_io, run_then_release, fn, *args
+        )
 
     def _raise_if_dead(self) -> None:
         if not self.is_alive:

@@ -21,6 +21,7 @@ from app.engine.config import EngineConfig
 from app.engine.context_files import ContextFiles
 from app.engine.engine import LLMEngine
 from app.engine.engine_process import HEARTBEAT_S, STALLED_POLL_S, error_parts
+from app.engine.openmp_threads import run_then_release
 from app.engine.shard import HEARTBEAT
 from app.models.parallel import TPGroup, init_tp_group
 from app.protocol.messages import EngineRequest
@@ -99,7 +100,8 @@ class EngineChild:
         elif kind == "call":
             _, call_id, name, args = message
             if name in FILE_CALLS:
-                self._file_io.submit(self._run_call, call_id, name, args)
+                # Its OpenMP workers would halve the step loop's speed: ended after each call.
+                self._file_io.submit(run_then_release, self._run_call, call_id, name, args)
             else:
                 self._run_call(call_id, name, args)
         return kind != "stop"
