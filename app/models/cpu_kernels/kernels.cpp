@@ -712,11 +712,14 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   });
 }
 
+// The work runs without the GIL: while the engine's thread is in a kernel, the threads that
+// stream its tokens (AsyncEngine's event loop) can run Python instead of waiting for it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged attention, one query token per sequence");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention over query chunks");
+  using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "paged attention, one query token per sequence", no_gil());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention over query chunks", no_gil());
   m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is vectorised (AVX-512)");
-  m.def("rms_norm", &rms_norm, "RMSNorm with float32 arithmetic");
-  m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE applied in place to the leading heads");
-  m.def("write_kv_cache", &write_kv_cache, "scatter new keys and values into their cache slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm with float32 arithmetic", no_gil());
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE applied in place to the leading heads", no_gil());
+  m.def("write_kv_cache", &write_kv_cache, "scatter new keys and values into their cache slots", no_gil());
 }

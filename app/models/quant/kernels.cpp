@@ -191,12 +191,14 @@ int64_t gemv_max_t(int64_t qtype) {
 
 }  // namespace
 
+// The products run without the GIL (see cpu_kernels/kernels.cpp: streaming threads need it).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quant_matmul", &quant_matmul, "out = x @ W^T for a packed GGUF-quantised W", pybind11::arg("x"),
         pybind11::arg("qtype"), pybind11::arg("parts"), pybind11::arg("n"), pybind11::arg("k"),
         pybind11::arg("out"), pybind11::arg("mode") = 0, pybind11::arg("tile_rows") = 0,
-        pybind11::arg("activations") = 0);
-  m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised");
+        pybind11::arg("activations") = 0, no_gil());
+  m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised", no_gil());
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
   m.def("gemv_max_t", &gemv_max_t, "rows of x up to which quant_matmul picks the int8 GEMV for a GGML type");
 }
