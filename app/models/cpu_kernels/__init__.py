@@ -1,6 +1,6 @@
 """C++ kernels for CPU inference (paged attention, KV-cache writes, RMSNorm, RoPE),
-compiled on first use with torch's extension builder and cached under
-~/.cache/torch_extensions (about 30 s once per machine).
+compiled by scripts/setup.sh or on first use (app.models.kernel_build, about 40 s once per
+machine and source) and cached under ~/.cache/torch_extensions.
 
 `load()` returns the compiled module, or None when there is no compiler, the build
 fails, or SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
