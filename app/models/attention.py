@@ -37,6 +37,15 @@ def padded_block_tables(
     return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]
 
 
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A step of decodes as paged_decode_attention takes it, and where their keys go."""
+
+    slots: torch.Tensor  # (T,) int64 cache slots of the step's tokens
+    tables: torch.Tensor  # (T, blocks) int32 block tables, padded with 0
+    lens: torch.Tensor  # (T,) int32 cached tokens including this step's
+
+
 class AttentionBackend(ABC):
     name: str = "abstract"
 
@@ -71,6 +80,11 @@ class AttentionBackend(ABC):
         softmax (Gemma 2's logit capping; 0: off). One metadata object serves every layer
         of a forward whatever its window, so window-dependent state is built on demand.
         """
+
+    def decode_inputs(self, metadata: Any) -> "DecodeInputs | None":
+        """Where every token of the step is a decode the CPU kernels attend, what they
+        take (fused decode layers run such steps in one call per layer); else None."""
+        return None
 
     def copy_blocks(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor

@@ -7,13 +7,14 @@ attention is the only place that knows where one sequence ends and the next begi
 through the backend metadata passed into `forward`.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from app.models.arch import ArchConfig
-from app.models.attention import AttentionBackend
+from app.models.attention import AttentionBackend, DecodeInputs
 from app.models.cpu_linear import linear_add
 from app.models.dense_mlp import DenseMLP
 from app.models.fused_ops import RopeTables, rms_norm, rotate_heads_
@@ -121,6 +122,10 @@ class DecoderLayer(nn.Module):
             if arch.is_sparse(layer)
             else DenseMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
         )
+        # This layer in one C++ call for steps of decodes (app/models/quant/fused_decode.py).
+        self.fused_decode: (
+            Callable[[RopeTables, torch.Tensor, DecodeInputs], torch.Tensor] | None
+        ) = None
 
     def forward(self, rope: RopeTables, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         if self.sandwich:
@@ -150,6 +155,8 @@ class DecoderModel(nn.Module):
             DecoderLayer(local, i, backend, tp) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.backend = backend
+        self.fused_decode = False  # every layer has its fused_decode
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
@@ -171,8 +178,13 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary.tables(positions)
         local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
+        decodes = self.backend.decode_inputs(attn_metadata) if self.fused_decode else None
         for layer in self.layers:
-            h = layer(local if layer.local_rope else rope, h, attn_metadata)
+            tables = local if layer.local_rope else rope
+            if decodes is not None:
+                h = layer.fused_decode(tables, h, decodes)
+            else:
+                h = layer(tables, h, attn_metadata)
         return self.norm(h)
 
 

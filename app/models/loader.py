@@ -11,6 +11,7 @@ from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.parallel import TPGroup, check_divisible
+from app.models.quant.fused_decode import fuse_decode_layers
 from app.models.quantized_model import (
     allow_inexact_float32,
     install,
@@ -20,6 +21,7 @@ from app.models.quantized_model import (
     set_output_dtype,
 )
 from app.models.source import ModelSource
+from app.models.torch_attention import TorchPagedAttention
 from app.models.weight_loading import expected_pieces, load_weights
 from app.models.weights import iter_weights, patch_gguf_config
 from app.protocol.errors import ModelLoadError
@@ -99,7 +101,11 @@ def load_model(
         quantize_linears(model)
     if quantized_bytes(model):  # an F32/F16 GGUF keeps transformers' exact float32 ops
         allow_inexact_float32(model)
+        if isinstance(backend, TorchPagedAttention):
+            backend.token_by_token = True  # batch invariance (app/models/quant/__init__.py)
     model = _ready(model, arch, dtype, device)
+    if quantized_bytes(model):
+        fuse_decode_layers(model)
     logger.info(
         "loaded %s (%s, %s, quantization %s, %.0f MB of quantized weights) on %s",
         source.name,

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from app.models.attention import AttentionBackend, BatchLayout, padded_block_tables
+from app.models.attention import (
+    AttentionBackend,
+    BatchLayout,
+    DecodeInputs,
+    padded_block_tables,
+)
 
 
 @dataclass
@@ -83,6 +88,12 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def __init__(self, device: torch.device) -> None:
+        # With the kernels, prefill queries too attend one token at a time through the
+        # decode kernel: a token's attention is then the same bits whether it came in a
+        # prompt, a prefill chunk after a cached prefix or a decode (the loader sets it
+        # for quantized models, whose int8 activations turn any difference into a
+        # visible one).
+        self.token_by_token = False
         self.kernels = None
         if device.type == "cpu":
             from app.models import cpu_kernels
@@ -111,6 +122,10 @@ class TorchPagedAttention(AttentionBackend):
             num_decodes=layout.num_decodes,
         )
         d, total = layout.num_decodes, len(layout.query_lens)
+        if self.kernels is not None and self.token_by_token and total > d:
+            meta.kernel_decode = self._token_batch(layout)
+            meta.num_decodes = len(layout.slot_mapping)
+            return meta
         if d:
             if self.kernels is not None:
                 meta.kernel_decode = self._kernel_batch(layout, 0, d)
@@ -122,6 +137,28 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 meta.prefills = self._torch_prefills(layout, num_kv_heads, device)
         return meta
+
+    def decode_inputs(self, metadata: TorchAttentionMetadata) -> DecodeInputs | None:
+        kb = metadata.kernel_decode
+        if kb is None or metadata.num_decodes != metadata.slots.shape[0]:
+            return None
+        return DecodeInputs(metadata.slots, kb.tables, kb.lens)
+
+    @staticmethod
+    def _token_batch(layout: BatchLayout) -> KernelBatch:
+        """Every query token as a decode of its own: its sequence's table, and the keys up
+        to its position."""
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for n, ctx, table in zip(
+            layout.query_lens, layout.context_lens, layout.block_tables, strict=True
+        ):
+            tables += [table] * n
+            lens += range(ctx - n + 1, ctx + 1)
+        padded = padded_block_tables(tables, lens, layout.block_size)
+        return KernelBatch(
+            torch.tensor(padded, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        )
 
     @staticmethod
     def _kernel_batch(

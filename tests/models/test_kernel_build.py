@@ -8,7 +8,6 @@ started).
 
 import subprocess
 import sys
-from pathlib import Path
 
 from app.models import cpu_kernels
 from app.models.kernel_build import build_directory
@@ -18,8 +17,7 @@ LOAD = "from app.models import cpu_kernels; assert cpu_kernels.load() is not Non
 
 def test_a_dead_builders_lock_file_is_cleared():
     assert cpu_kernels.load() is not None, "C++ kernels failed to build"
-    source = Path(cpu_kernels.__file__).with_name("kernels.cpp")
-    directory = build_directory(f"shoal_cpu_kernels_{cpu_kernels._build_signature(source)}")
+    directory = build_directory(f"shoal_cpu_kernels_{cpu_kernels._build_signature()}")
     stale = directory / "lock"
     stale.touch()  # as a builder killed between torch's try_acquire and release leaves it
 

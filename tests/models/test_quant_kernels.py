@@ -183,11 +183,11 @@ def test_tiles_under_inference_mode(kernels):
     # at::mm_out into the caller's (inference) output
     raw, w = weights(QuantType.Q4_1, *SHAPE)
     packed = pack(raw, QuantType.Q4_1)
-    t = kernels.gemv_max_t(int(QuantType.Q4_1)) + 8  # past the GEMV
+    qtype, parts = packed.kernel_args
     with torch.inference_mode():
-        x = torch.randn(t, SHAPE[1])
-        out = torch.empty(t, SHAPE[0] + 4)[:, 4:]
-        quant.matmul(x, packed, out=out)
+        x = torch.randn(24, SHAPE[1])
+        out = torch.empty(24, SHAPE[0] + 4)[:, 4:]
+        kernels.quant_matmul(x, qtype, parts, *SHAPE, out, 2, 0, 0)  # tiles, x rounded
     check(out, seen_x(kernels, QuantType.Q4_1, x), w)
 
 

@@ -21,11 +21,17 @@ _module: ModuleType | None = None
 _tried = False
 
 
-def _build_signature(source: Path) -> str:
-    """CPU flags and source in one hash, for the build's cache name: -march=native makes a
-    build valid only on CPUs with the same features, and an edited kernels.cpp must not
-    find an older build of itself under the same name."""
-    return hashlib.sha1(cpu_signature() + source.read_bytes()).hexdigest()[:10]
+SOURCES = ("kernels.cpp", "decode_attention.h", "norm_rope.h", "vector_math.h")
+
+
+def _build_signature() -> str:
+    """CPU flags and sources in one hash, for the build's cache name: -march=native makes a
+    build valid only on CPUs with the same features, and an edited source must not find
+    an older build of itself under the same name."""
+    digest = hashlib.sha1(cpu_signature())
+    for name in SOURCES:
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def load() -> ModuleType | None:
@@ -39,7 +45,7 @@ def load() -> ModuleType | None:
         try:
             source = Path(__file__).with_name("kernels.cpp")
             _module = build_extension(
-                f"shoal_cpu_kernels_{_build_signature(source)}",
+                f"shoal_cpu_kernels_{_build_signature()}",
                 [str(source)],
                 ["-O3", "-march=native", "-fopenmp"],
                 ["-fopenmp"],

@@ -5,13 +5,15 @@ so a decode step reads each weight byte once instead of a bfloat16 copy 2-3x its
     matmul(x, packed, out=fused[:, 0:576])        # out = x @ W^T, out may be a column slice
     embedding(ids, packed, torch.bfloat16)        # dequantised rows
 
-x stays float32 by default: results are the dequantized weights' but for summation
-order. SHOAL_QUANT_ACTIVATIONS=int8 (or float_activations = False) rounds x to int8 per
-32-block where the type has an integer kernel (Q4_0, Q4_1, Q8_0, Q4_K; gemv_i8.h), as
-llama.cpp does on every CPU matmul: 1.3-1.5x faster products, but the rounding turns the
-attention kernels' summation-order differences into visible ones, so a context filled
-piecewise (Parrot's fill/generate) no longer continues exactly as the same tokens sent
-whole.
+By default x is rounded to int8 per 32-block where the type has an integer kernel (Q4_0,
+Q4_1, Q8_0, Q4_K; gemv_i8.h), as llama.cpp does on every CPU matmul: 1.3-1.5x faster
+products than float32 x. The rounding turns any summation-order difference before it
+into a visible one, so a quantized model's forward is batch-invariant: the int8 GEMV
+takes any number of rows with the same per-row arithmetic, and attention takes every
+query token alone (TorchPagedAttention.token_by_token). A token's logits are then the same
+bits in a prompt, a prefill chunk after a cached prefix or a decode.
+SHOAL_QUANT_ACTIVATIONS=float (or float_activations = True) keeps x in float32: results
+are the dequantized weights' but for summation order.
 
 The C++ kernels (kernels.cpp) are compiled on first use like app.models.cpu_kernels: cached
 under ~/.cache/torch_extensions by a hash of the sources and the CPU flags. `load()` returns
@@ -51,8 +53,20 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _modules: dict[bool, ModuleType | None] = {}
 # Read per call by matmul: tests (and a caller wanting exact products) may set it.
-float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "float") != "int8"
-_SOURCES = ("kernels.cpp", "formats.h", "gemv.h", "gemv_i8.h", "quantize_x.h", "simd.h")
+float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "int8") == "float"
+_SOURCES = (
+    "kernels.cpp",
+    "decode_layer.cpp",
+    "formats.h",
+    "gemv.h",
+    "gemv_i8.h",
+    "matmul.h",
+    "quantize_x.h",
+    "simd.h",
+    "../cpu_kernels/decode_attention.h",
+    "../cpu_kernels/norm_rope.h",
+    "../cpu_kernels/vector_math.h",
+)
 
 
 def _build_signature(portable: bool) -> str:
@@ -60,7 +74,7 @@ def _build_signature(portable: bool) -> str:
     the same features, and an edited source must not find an older build of itself."""
     digest = hashlib.sha1(cpu_signature() + str(portable).encode())
     for name in _SOURCES:
-        digest.update(Path(__file__).with_name(name).read_bytes())
+        digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:10]
 
 
@@ -83,7 +97,7 @@ def _build(portable: bool) -> ModuleType | None:
         variant = "portable" if portable else "native"
         return build_extension(
             f"shoal_quant_kernels_{variant}_{_build_signature(portable)}",
-            [str(Path(__file__).with_name("kernels.cpp"))],
+            [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "decode_layer.cpp")],
             ["-O3", "-march=native", "-fopenmp"]
             + (["-DSHOAL_QUANT_PORTABLE", "-DSHOAL_QUANT_PORTABLE_WIDTH=16"] if portable else []),
             ["-fopenmp"],

@@ -16,13 +16,11 @@
 // activations: kNibbles for 16 bytes of 4-bit quants per 32 weights (qs), kBytes for 32
 // int8 quants, kNone where only the float GEMV reads it.
 //
-// kGemvMaxT: up to this many rows of x, quant_matmul's automatic choice is the GEMV, past
-// it dequantised tiles and at::mm; where the two cross on AVX2 (Zen 3, 2 threads), as
-// bench/quant_gemv.py measures it (1536x576). The int8 GEMV (kInts) moved it from 16 to
-// 48-192 for the 4-bit types and ~32-48 for Q8_0; we stop at 48 and 32, as x's int8 rows,
-// re-read per row group, outgrow L2 sooner on wider K. Q6_K (float x only) decodes
-// slower, so its GEMV gives up sooner. kFloatGemvMaxT: the same crossover for the float-x
-// GEMV (the default activations), as measured before the int8 GEMV existed.
+// kFloatGemvMaxT: up to this many rows of float32 x, quant_matmul's automatic choice is
+// the GEMV, past it dequantised tiles and at::mm: where the two cross on AVX2 (Zen 3, 2
+// threads), as bench/quant_gemv.py measures it (1536x576). Int8 activations (kInts) take
+// their GEMV at any row count: it keeps pace with the tiles up to 512 rows, and a row's
+// product is then the same bits however many rows share the call (batch invariance).
 #pragma once
 
 #include <torch/extension.h>
@@ -52,7 +50,6 @@ struct Q4_0 {  // w = d * (q - 8) = d * q + (-8 d)
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
-  static constexpr int64_t kGemvMaxT = 48;
   static constexpr int64_t kFloatGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t* d;
@@ -69,7 +66,6 @@ struct Q4_1 {  // w = d * q + m
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
-  static constexpr int64_t kGemvMaxT = 48;
   static constexpr int64_t kFloatGemvMaxT = 16;
   const uint8_t* qs;
   const uint16_t *d, *m;
@@ -87,7 +83,6 @@ struct Q8_0 {  // w = d * q
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
   static constexpr Ints kInts = Ints::kBytes;
-  static constexpr int64_t kGemvMaxT = 32;
   static constexpr int64_t kFloatGemvMaxT = 16;
   const int8_t* qs;
   const uint16_t* d;
@@ -107,7 +102,6 @@ struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr Ints kInts = Ints::kNibbles;
-  static constexpr int64_t kGemvMaxT = 48;
   static constexpr int64_t kFloatGemvMaxT = 12;
   const uint8_t *qs, *sc, *mn;
   const uint16_t *d, *dmin;
@@ -135,7 +129,6 @@ struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = false;
   static constexpr Ints kInts = Ints::kNone;
-  static constexpr int64_t kGemvMaxT = 12;
   static constexpr int64_t kFloatGemvMaxT = 12;
   const uint8_t *lo, *hi;
   const int8_t* sc;

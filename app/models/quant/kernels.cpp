@@ -3,11 +3,12 @@
 //                    slice of a wider tensor (fused q/k/v or gate/up outputs)
 //   quant_embedding  the rows of W named by ids, dequantised
 //
-// Two regimes. Few rows of x (decode): a fused GEMV that reads each weight byte once per
-// call, on int8-rounded x (gemv_i8.h) or float32 x (gemv.h). Many rows (prefill, big batches): each thread
-// dequantises a tile of W's rows into float32 scratch and hands it to at::mm, where the
-// multiply, not the weights' bytes, sets the pace. bench/quant_gemv.py measures where
-// one overtakes the other (kGemvMaxT in formats.h).
+// Two regimes. A fused GEMV that reads each weight byte once per call, on int8-rounded x
+// (gemv_i8.h: at any row count) or float32 x (gemv.h: few rows, decode). Many rows of
+// float32 x (prefill, big batches): each thread dequantises a tile of W's rows into
+// float32 scratch and hands it to at::mm, where the multiply, not the weights' bytes,
+// sets the pace. bench/quant_gemv.py measures where one overtakes the other
+// (kFloatGemvMaxT in formats.h).
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/extension.h>
@@ -18,6 +19,7 @@
 #include "formats.h"
 #include "gemv.h"
 #include "gemv_i8.h"
+#include "matmul.h"
 #include "simd.h"
 
 namespace {
@@ -88,13 +90,10 @@ void check_float(const Tensor& t, const char* what) {
               " must be a float32, bfloat16 or float16 CPU tensor, got ", s);
 }
 
-enum Activations : int64_t { kAuto = 0, kFloat = 1, kInt8 = 2 };
 
-// x rounded to int8 per 32-block and back to float (quantize_x.h's rounding): tiles fed
-// this compute what the int8 GEMV computes, up to summation order. Without it a
-// sequence's logits would depend on how many tokens share its step (a prefix-cache hit
-// or a prefill chunk of <= kGemvMaxT rows takes the GEMV, a longer one the tiles), and
-// the same greedy request could answer differently the second time.
+// x rounded to int8 per 32-block and back to float (quantize_x.h's rounding): tiles forced
+// on int8 activations (mode 2, benchmarks) compute what the int8 GEMV computes, up to
+// summation order.
 Tensor round_like_int8(const Tensor& xf) {
   const int64_t T = xf.size(0), K = xf.size(1);
   Tensor rounded = at::empty_like(xf);
@@ -112,27 +111,28 @@ Tensor round_like_int8(const Tensor& xf) {
   return rounded;
 }
 
-// mode: 0 picks by T (GEMV up to the format's kGemvMaxT rows), 1 forces GEMV, 2 forces tiles.
+}  // namespace
+
+namespace shoal_quant {
+
+// out = x @ W^T with x (T, K) float32 and contiguous, out (T, N) with unit column stride.
+// mode: 0 picks (int8 x: the GEMV; float x: the GEMV up to kFloatGemvMaxT rows), 1 forces
+// the GEMV, 2 forces tiles.
 // activations: kAuto rounds x to int8 per block (tiles: round_like_int8) where the
 // format has an integer kernel (gemv_i8.h: faster, llama.cpp's accuracy), kFloat keeps
 // float32 x (exact but for summation order), kInt8 insists on int8.
-void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
-                  Tensor out, int64_t mode, int64_t tile_rows, int64_t activations) {
-  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
-  check_float(x, "x");
-  check_float(out, "out");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (T, ", k, "), got ", x.sizes());
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
-              "out must be (", x.size(0), ", ", n, ") with unit column stride, got ", out.sizes(), " strides ",
-              out.strides());
-  const int64_t T = x.size(0);
+void matmul_into(const Tensor& xf, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                 Tensor& out, int64_t mode, int64_t tile_rows, int64_t activations) {
+  const int64_t T = xf.size(0);
   with_format(qtype, parts, n, k, [&](const auto& f) {
     if (T == 0 || n == 0) return;
-    const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
     using F = std::decay_t<decltype(f)>;
     constexpr bool has_ints = F::kInts != Ints::kNone;
     const bool int8 = has_ints && activations != kFloat;
-    if (mode == 2 || (mode == 0 && T > (int8 ? F::kGemvMaxT : F::kFloatGemvMaxT))) {
+    // int8 activations take the GEMV at any T in auto mode: a row's product is then the
+    // same bits however many rows share the call (batch invariance), and at 512 rows it
+    // keeps pace with the tiles.
+    if (mode == 2 || (mode == 0 && !int8 && T > F::kFloatGemvMaxT)) {
       tiled(f, n, k, int8 ? round_like_int8(xf) : xf, out, tile_rows);
       return;
     }
@@ -147,6 +147,23 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
       gemv(f, n, k, xf.data_ptr<float>(), T, out.data_ptr<scalar_t>(), out.stride(0));
     });
   });
+}
+
+}  // namespace shoal_quant
+
+namespace {
+
+void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                  Tensor out, int64_t mode, int64_t tile_rows, int64_t activations) {
+  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
+  check_float(x, "x");
+  check_float(out, "out");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (T, ", k, "), got ", x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
+              "out must be (", x.size(0), ", ", n, ") with unit column stride, got ", out.sizes(), " strides ",
+              out.strides());
+  const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
+  matmul_into(xf, qtype, parts, n, k, out, mode, tile_rows, activations);
 }
 
 void quant_embedding(const Tensor& ids, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
@@ -178,17 +195,6 @@ void quant_embedding(const Tensor& ids, int64_t qtype, const std::vector<Tensor>
   });
 }
 
-int64_t gemv_max_t(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return Q4_0::kGemvMaxT;
-    case kQ4_1: return Q4_1::kGemvMaxT;
-    case kQ8_0: return Q8_0::kGemvMaxT;
-    case kQ4_K: return Q4_K::kGemvMaxT;
-    case kQ6_K: return Q6_K::kGemvMaxT;
-    default: TORCH_CHECK(false, "unsupported GGML type ", qtype);
-  }
-}
-
 }  // namespace
 
 // The products run without the GIL (see cpu_kernels/kernels.cpp: streaming threads need it).
@@ -200,5 +206,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("activations") = 0, no_gil());
   m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised", no_gil());
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
-  m.def("gemv_max_t", &gemv_max_t, "rows of x up to which quant_matmul picks the int8 GEMV for a GGML type");
+  shoal_quant::bind_decode_layer(m);
 }

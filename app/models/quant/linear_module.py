@@ -87,6 +87,12 @@ class QuantLinear(nn.Module):
             runs.append((weight, starts[first], starts[last + 1]))
         return runs
 
+    def runs(self) -> list[tuple[Segment, int, int]]:
+        """(weight, first output column, last + 1) per kernel call of a forward."""
+        if self._runs is None:  # the tied head: its embedding loads after it
+            self._runs = self._plan()
+        return self._runs
+
     def nbytes(self) -> int:
         from app.models import quant
 
@@ -95,13 +101,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from app.models import quant
 
-        if self._runs is None:  # the tied head: its embedding loads after it
-            self._runs = self._plan()
-        if len(self._runs) == 1 and not isinstance(self._runs[0][0], torch.Tensor):
-            out = quant.matmul(x, self._runs[0][0])
+        runs = self.runs()
+        if len(runs) == 1 and not isinstance(runs[0][0], torch.Tensor):
+            out = quant.matmul(x, runs[0][0])
         else:
             out = x.new_empty((x.shape[0], self.out_features))
-            for weight, start, stop in self._runs:
+            for weight, start, stop in runs:
                 part = out[:, start:stop]
                 if isinstance(weight, torch.Tensor):
                     part.copy_(F.linear(x, weight.to(x.dtype)))

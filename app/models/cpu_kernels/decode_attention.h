@@ -1,0 +1,234 @@
+// Paged decode attention (one query token per sequence, keys and values read in place
+// from the blocks of each block table) and the scatter of new keys and values into
+// their cache slots. Cache layout per layer: [num_blocks, num_kv_heads, block_size, head_dim].
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace shoal_cpu {
+
+#if defined(__AVX512F__)
+// One (sequence, kv head) of a decode with G query heads and head_dim = 16 * NC, with
+// queries, each key row and the output accumulators held in registers.
+// Keys [lo, ctx) are read (scores row g holds key lo + j at j), starting mid-block when
+// a window begins there, exactly as the portable loop in decode() does.
+template <typename scalar_t, int G, int NC>
+void decode_item(const float* qf, const scalar_t* kp, const scalar_t* vp, const int32_t* table,
+                 int64_t lo, int64_t ctx, int64_t bs, int64_t block_stride, int64_t head_off,
+                 float softcap, float* scores, float* out) {
+  constexpr int64_t hd = NC * 16;
+  const int64_t len = ctx - lo;
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * hd + c * 16);
+  for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
+    const scalar_t* kb = kp + table[b] * block_stride + head_off;
+    const int64_t n = std::min(bs, ctx - start);
+    for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t) {
+      __m512 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = load16(kb + t * hd + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        scores[g * len + start + t - lo] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  if (softcap > 0.f)
+    for (int g = 0; g < G; ++g) softcap_row(scores + g * len, len, softcap);
+  for (int g = 0; g < G; ++g) softmax(scores + g * len, len);
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
+    const scalar_t* vb = vp + table[b] * block_stride + head_off;
+    const int64_t n = std::min(bs, ctx - start);
+    for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t) {
+      __m512 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = load16(vb + t * hd + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * len + start + t - lo]);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * hd + c * 16, acc[g][c]);
+}
+
+template <typename scalar_t>
+using DecodeItemFn = void (*)(const float*, const scalar_t*, const scalar_t*, const int32_t*,
+                              int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+
+template <typename scalar_t, int NC>
+DecodeItemFn<scalar_t> pick_by_group(int64_t G) {
+  switch (G) {
+    case 1: return decode_item<scalar_t, 1, NC>;
+    case 2: return decode_item<scalar_t, 2, NC>;
+    case 3: return decode_item<scalar_t, 3, NC>;
+    case 4: return decode_item<scalar_t, 4, NC>;
+    case 5: return decode_item<scalar_t, 5, NC>;
+    case 6: return decode_item<scalar_t, 6, NC>;
+    case 7: return decode_item<scalar_t, 7, NC>;
+    case 8: return decode_item<scalar_t, 8, NC>;
+    default: return nullptr;
+  }
+}
+
+template <typename scalar_t>
+DecodeItemFn<scalar_t> pick_decode_item(int64_t G, int64_t hd) {
+  switch (hd) {
+    case 32: return pick_by_group<scalar_t, 2>(G);
+    case 64: return pick_by_group<scalar_t, 4>(G);
+    case 128: return pick_by_group<scalar_t, 8>(G);
+    default: return nullptr;
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// out = sum over keys [lo, ctx) of p[j - lo] * v_j for one query head, head_dim = 8 * NC,
+// with out's NC vectors in registers across the keys: axpy's FMAs in axpy's order (the
+// same bits), without a load and a store of out per key.
+template <int NC>
+void value_sum(const float* p, const float* vp, const int32_t* table, int64_t lo, int64_t ctx, int64_t bs,
+               int64_t block_stride, int64_t head_off, float* out) {
+  constexpr int64_t hd = NC * 8;
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
+    const float* vb = vp + table[b] * block_stride + head_off;
+    const int64_t n = std::min(bs, ctx - start);
+    for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t) {
+      const __m256 w = _mm256_set1_ps(p[start + t - lo]);
+      for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + t * hd + c * 8), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
+}
+
+using ValueSumFn = void (*)(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, float*);
+
+inline ValueSumFn pick_value_sum(int64_t hd) {
+  switch (hd) {
+    case 32: return value_sum<4>;
+    case 64: return value_sum<8>;
+    case 128: return value_sum<16>;
+    default: return nullptr;
+  }
+}
+#endif
+
+template <typename scalar_t>
+void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
+            double scale, int64_t window, double softcap) {
+  const int64_t D = q.size(0), nh = q.size(1), hd = q.size(2);
+  const int64_t nkv = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t G = nh / nkv, max_blocks = tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int64_t block_stride = nkv * bs * hd, head_stride = bs * hd;
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+
+#if defined(__AVX512F__)
+  const DecodeItemFn<scalar_t> fast = pick_decode_item<scalar_t>(G, hd);
+#endif
+  at::parallel_for(0, D * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * hd), acc(G * hd), scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = w / nkv, h = w % nkv;
+      const int64_t ctx = lp[s], lo = first_visible(ctx - 1, window), len = ctx - lo;
+      const int32_t* table = tp + s * max_blocks;
+      scores.assign(G * len, 0.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < hd; ++d)
+          qf[g * hd + d] = static_cast<float>(qp[(s * nh + h * G + g) * hd + d]) * fscale;
+#if defined(__AVX512F__)
+      if (fast != nullptr) {
+        fast(qf.data(), kp, vp, table, lo, ctx, bs, block_stride, h * head_stride, cap, scores.data(),
+             acc.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < hd; ++d)
+            op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
+        continue;
+      }
+#endif
+      // Blocks from the one holding key lo; the first is read from lo's offset.
+      for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
+        const scalar_t* kb = kp + table[b] * block_stride + h * head_stride;
+        const int64_t n = std::min(bs, ctx - start);
+        for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t)
+          for (int64_t g = 0; g < G; ++g)
+            scores[g * len + start + t - lo] = dot(qf.data() + g * hd, kb + t * hd, hd);
+      }
+      if (cap > 0.f)
+        for (int64_t g = 0; g < G; ++g) softcap_row(scores.data() + g * len, len, cap);
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * len, len);
+      std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (const auto sum = pick_value_sum(hd)) {
+          for (int64_t g = 0; g < G; ++g)
+            sum(scores.data() + g * len, vp, table, lo, ctx, bs, block_stride, h * head_stride, acc.data() + g * hd);
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < hd; ++d) op[(s * nh + h * G + g) * hd + d] = acc[g * hd + d];
+          continue;
+        }
+      }
+#endif
+      for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
+        const scalar_t* vb = vp + table[b] * block_stride + h * head_stride;
+        const int64_t n = std::min(bs, ctx - start);
+        for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t)
+          for (int64_t g = 0; g < G; ++g)
+            axpy(acc.data() + g * hd, scores[g * len + start + t - lo], vb + t * hd, hd);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < hd; ++d)
+          op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
+    }
+  });
+}
+
+template <typename scalar_t>
+void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+           const at::Tensor& slots) {
+  const int64_t T = k.size(0), nkv = k.size(1), hd = k.size(2);
+  const int64_t bs = k_cache.size(2);
+  const int64_t block_stride = nkv * bs * hd, head_stride = bs * hd;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = sp[t] / bs, off = sp[t] % bs;
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t dst = block * block_stride + h * head_stride + off * hd;
+        std::copy_n(kp + t * ks0 + h * ks1, hd, kc + dst);
+        std::copy_n(vp + t * vs0 + h * vs1, hd, vc + dst);
+      }
+    }
+  });
+}
+
+
+}  // namespace shoal_cpu

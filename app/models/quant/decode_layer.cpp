@@ -1,0 +1,136 @@
+// A whole pre-norm decoder layer of a decode step in one call (app/models/quant/fused_decode.py):
+//   h + mlp(norm2(h')) where h' = h + o(attention(rope(qkv(norm1(h)))))
+// for a step whose every token is a decode, on quantised weights and float32 activations.
+//
+// Each op is the one the layer's Python forward calls, with the same arguments, in the same
+// order: the C++ kernels of app/models/cpu_kernels (RMSNorm, RoPE, cache writes, paged
+// decode attention), quant_matmul's product, and torch's silu and arithmetic. A decode is
+// then bit for bit what the Python layer computes, and a sequence's tokens do not depend on
+// whether its step took this path. What goes is the Python between the ops: ~15 module
+// calls and ~100 attribute lookups per layer, about half of a 135M model's decode step.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../cpu_kernels/decode_attention.h"
+#include "../cpu_kernels/norm_rope.h"
+#include "matmul.h"
+
+namespace shoal_quant {
+namespace {
+
+using at::Tensor;
+
+// One packed weight of a linear layer: its rows fill output columns [start, start + n).
+struct Run {
+  int64_t qtype;
+  std::vector<Tensor> parts;
+  int64_t n, k, start;
+};
+using RunSpec = std::tuple<int64_t, std::vector<Tensor>, int64_t, int64_t, int64_t>;
+
+struct Linear {
+  std::vector<Run> runs;
+  int64_t n = 0;
+
+  explicit Linear(const std::vector<RunSpec>& specs) {
+    for (const auto& [qtype, parts, rows, k, start] : specs) {
+      runs.push_back({qtype, parts, rows, k, start});
+      n = std::max(n, start + rows);
+    }
+  }
+
+  // A new (T, n) float32 tensor: x @ W^T, run by run, as QuantLinear.forward does.
+  Tensor operator()(const Tensor& x, int64_t activations) const {
+    Tensor out = at::empty({x.size(0), n}, x.options());
+    for (const Run& r : runs) {
+      Tensor part = runs.size() == 1 ? out : out.narrow(1, r.start, r.n);
+      matmul_into(x, r.qtype, r.parts, r.n, r.k, part, 0, 0, activations);
+    }
+    return out;
+  }
+};
+
+class DecodeLayer {
+ public:
+  DecodeLayer(Tensor input_norm, Tensor post_attention_norm, double eps, const std::vector<RunSpec>& qkv,
+              std::optional<Tensor> qkv_bias, const std::vector<RunSpec>& o, const std::vector<RunSpec>& gate_up,
+              const std::vector<RunSpec>& down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              double scale, int64_t window)
+      : input_norm_(std::move(input_norm)),
+        post_attention_norm_(std::move(post_attention_norm)),
+        eps_(eps),
+        qkv_(qkv),
+        qkv_bias_(std::move(qkv_bias)),
+        o_(o),
+        gate_up_(gate_up),
+        down_(down),
+        nh_(num_heads),
+        nkv_(num_kv_heads),
+        hd_(head_dim),
+        scale_(scale),
+        window_(window) {
+    const int64_t hidden = input_norm_.size(0);
+    TORCH_CHECK(input_norm_.scalar_type() == at::kFloat && post_attention_norm_.scalar_type() == at::kFloat,
+                "norm weights must be float32");
+    TORCH_CHECK(qkv_.n == (nh_ + 2 * nkv_) * hd_ && o_.n == hidden && down_.n == hidden && gate_up_.n % 2 == 0,
+                "layer shapes do not fit: qkv ", qkv_.n, ", o ", o_.n, ", gate_up ", gate_up_.n, ", down ", down_.n);
+  }
+
+  // h (T, hidden) float32, one decode token per row; cos/sin (T, head_dim) float32; slots
+  // (T,) int64 cache slots of this step's tokens; tables (T, blocks) and lens (T,) int32
+  // as paged_decode_attention takes them. Returns the layer's output (T, hidden).
+  Tensor forward(const Tensor& h, const Tensor& cos, const Tensor& sin, Tensor k_cache, Tensor v_cache,
+                 const Tensor& slots, const Tensor& tables, const Tensor& lens, int64_t activations) const {
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h must be (T, hidden) float32");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "the KV cache must be contiguous float32");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kInt &&
+                    lens.scalar_type() == at::kInt && slots.size(0) == h.size(0) && lens.size(0) == h.size(0),
+                "slots (T,) int64, tables (T, blocks) and lens (T,) int32");
+    const int64_t T = h.size(0), q_size = nh_ * hd_, kv_size = nkv_ * hd_;
+    Tensor x = at::empty_like(h);
+    shoal_cpu::rms_norm_impl<float>(x, h, input_norm_, eps_);
+    Tensor qkv = qkv_(x, activations);
+    if (qkv_bias_) qkv += *qkv_bias_;
+    shoal_cpu::rotary_impl<float>(qkv, cos, sin, nh_ + nkv_);
+    const Tensor k = qkv.narrow(1, q_size, kv_size).view({T, nkv_, hd_});
+    const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, nkv_, hd_});
+    shoal_cpu::write<float>(k, v, k_cache, v_cache, slots.contiguous());
+    const Tensor q = qkv.narrow(1, 0, q_size).view({T, nh_, hd_}).contiguous();
+    Tensor attn = at::empty_like(q);
+    shoal_cpu::decode<float>(attn, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(), scale_, window_,
+                             0.0);
+    const Tensor h1 = h + o_(attn.view({T, q_size}), activations);
+    shoal_cpu::rms_norm_impl<float>(x, h1, post_attention_norm_, eps_);
+    const Tensor gate_up = gate_up_(x, activations);
+    const int64_t inter = gate_up_.n / 2;
+    const Tensor hidden = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
+    return h1 + down_(hidden, activations);
+  }
+
+ private:
+  Tensor input_norm_, post_attention_norm_;
+  double eps_;
+  Linear qkv_;
+  std::optional<Tensor> qkv_bias_;
+  Linear o_, gate_up_, down_;
+  int64_t nh_, nkv_, hd_;
+  double scale_;
+  int64_t window_;
+};
+
+}  // namespace
+
+void bind_decode_layer(pybind11::module_& m) {
+  using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(pybind11::init<Tensor, Tensor, double, const std::vector<RunSpec>&, std::optional<Tensor>,
+                          const std::vector<RunSpec>&, const std::vector<RunSpec>&, const std::vector<RunSpec>&,
+                          int64_t, int64_t, int64_t, double, int64_t>())
+      .def("forward", &DecodeLayer::forward, "the layer's output for a step of decodes", no_gil());
+}
+
+}  // namespace shoal_quant

@@ -1,0 +1,107 @@
+"""Fused decode layers (app/models/quant/fused_decode.py): a step of decodes in one C++
+call per layer returns what the Python layers return, bit for bit: the same tokens and
+the same log-probabilities, whatever the batch (GEMV or tiles), the activations, a
+sliding window or a q/k/v bias. Prefix caching is off so that both runs prefill alike."""
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from torch import nn
+
+from app.engine import EngineConfig, LLMEngine
+from app.models import quant
+from app.models.quant.fused_decode import fuse_decode_layers
+from app.protocol import SamplingParams
+from tests.helpers import tiny_engine
+from tests.models.family_checkpoints import WINDOW, save_family_checkpoint
+from tests.models.gguf_writer import write_gguf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def default_engine() -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            dtype="float32", num_threads=2, kv_cache_memory_gib=0.1, enable_prefix_caching=False
+        )
+    )
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], fused: bool) -> list:
+    """Tokens and log-probabilities of each prompt, and how many layer calls were fused."""
+    model = engine.loaded.model.model
+    model.fused_decode = fused
+    first = model.layers[0]
+    native, calls = first.fused_decode, []
+    first.fused_decode = lambda *args: calls.append(1) or native(*args)
+    try:
+        outputs = [o.outputs[0] for o in engine.generate(prompts, GREEDY)]
+    finally:
+        first.fused_decode = native
+        model.fused_decode = True
+    return [(o.token_ids, o.logprobs) for o in outputs], len(calls)
+
+
+def _assert_same(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    fused, calls = _generate(engine, prompts, fused=True)
+    python, none = _generate(engine, prompts, fused=False)
+    assert calls >= GREEDY.max_tokens - 1 and none == 0
+    assert fused == python
+
+
+@pytest.mark.parametrize("batch", [1, 5, 20])  # 20 > the float GEMV's 16 rows: tiles
+def test_default_model_fused_equals_python(default_engine: LLMEngine, batch: int):
+    assert default_engine.loaded.model.model.fused_decode
+    prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(batch)]
+    _assert_same(default_engine, prompts)
+
+
+def test_int8_activations_fused_equals_python(default_engine: LLMEngine, monkeypatch):
+    monkeypatch.setattr(quant, "float_activations", False)
+    _assert_same(default_engine, [[1, 504, 3458, 282, 4649, 314] * 3, [42, 43]])
+
+
+def test_qkv_bias_fused_equals_python(default_engine: LLMEngine):
+    model = default_engine.loaded.model
+    generator = torch.Generator().manual_seed(0)
+    layers = model.model.layers
+    try:
+        for layer in layers:
+            proj = layer.self_attn.qkv_proj
+            proj.bias = nn.Parameter(
+                torch.randn(proj.out_features, generator=generator) * 0.5, requires_grad=False
+            )
+        assert fuse_decode_layers(model)
+        _assert_same(default_engine, [list(range(300, 330)), [7, 8, 9]])
+    finally:
+        for layer in layers:
+            layer.self_attn.qkv_proj.bias = None
+        assert fuse_decode_layers(model)
+
+
+def test_sliding_window_fused_equals_python(tmp_path: Path):
+    # Phi-3's GGUF keeps its window (a Llama file has none); its q|k|v come fused.
+    directory = save_family_checkpoint(tmp_path, "phi3", sliding_window=WINDOW)
+    path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    engine = tiny_engine(path, quantization="gguf", enable_prefix_caching=False)
+    model = engine.loaded.model.model
+    assert model.fused_decode
+    assert all(layer.self_attn.attn_options == {"window": WINDOW} for layer in model.layers)
+    prompts = [list(range(10, 10 + n)) for n in (3, WINDOW + 5, 3 * WINDOW)]
+    _assert_same(engine, prompts)
+
+
+def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
+    directory = save_family_checkpoint(tmp_path, "qwen3")  # q/k norms
+    path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    assert not tiny_engine(path, quantization="gguf").loaded.model.model.fused_decode
+    assert not tiny_engine(path, quantization="none").loaded.model.model.fused_decode
+    llama = save_family_checkpoint(tmp_path / "llama", "mistral-window")
+    llama_gguf = write_gguf(llama, llama / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setenv("SHOAL_FUSED_DECODE", "0")
+    engine = tiny_engine(llama_gguf, quantization="gguf")
+    assert not engine.loaded.model.model.fused_decode
+    assert engine.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
