@@ -52,16 +52,21 @@ def _assert_same(engine: LLMEngine, prompts: list[list[int]]) -> None:
     assert fused == python
 
 
-@pytest.mark.parametrize("batch", [1, 5, 20])  # 20 > the float GEMV's 16 rows: tiles
+def _prompts(batch: int) -> list[list[int]]:
+    return [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 5, 20])
 def test_default_model_fused_equals_python(default_engine: LLMEngine, batch: int):
     assert default_engine.loaded.model.model.fused_decode
-    prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(batch)]
-    _assert_same(default_engine, prompts)
+    assert not quant.float_activations  # int8, the default: the GEMV at any batch
+    _assert_same(default_engine, _prompts(batch))
 
 
-def test_int8_activations_fused_equals_python(default_engine: LLMEngine, monkeypatch):
-    monkeypatch.setattr(quant, "float_activations", False)
-    _assert_same(default_engine, [[1, 504, 3458, 282, 4649, 314] * 3, [42, 43]])
+@pytest.mark.parametrize("batch", [3, 20])  # 20 > the float GEMV's 16 rows: tiles
+def test_float_activations_fused_equals_python(default_engine: LLMEngine, monkeypatch, batch: int):
+    monkeypatch.setattr(quant, "float_activations", True)
+    _assert_same(default_engine, _prompts(batch))
 
 
 def test_qkv_bias_fused_equals_python(default_engine: LLMEngine):
