@@ -148,17 +148,15 @@ class TorchPagedAttention(AttentionBackend):
     def _token_batch(layout: BatchLayout) -> KernelBatch:
         """Every query token as a decode of its own: its sequence's table, and the keys up
         to its position."""
-        tables: list[list[int]] = []
-        lens: list[int] = []
-        for n, ctx, table in zip(
-            layout.query_lens, layout.context_lens, layout.block_tables, strict=True
-        ):
-            tables += [table] * n
-            lens += range(ctx - n + 1, ctx + 1)
-        padded = padded_block_tables(tables, lens, layout.block_size)
-        return KernelBatch(
-            torch.tensor(padded, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-        )
+        per_seq = padded_block_tables(layout.block_tables, layout.context_lens, layout.block_size)
+        counts = torch.tensor(layout.query_lens)
+        tables = torch.tensor(per_seq, dtype=torch.int32).repeat_interleave(counts, dim=0)
+        lens = [
+            length
+            for n, ctx in zip(layout.query_lens, layout.context_lens, strict=True)
+            for length in range(ctx - n + 1, ctx + 1)
+        ]
+        return KernelBatch(tables, torch.tensor(lens, dtype=torch.int32))
 
     @staticmethod
     def _kernel_batch(

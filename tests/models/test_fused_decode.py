@@ -13,6 +13,8 @@ from torch import nn
 from app.engine import EngineConfig, LLMEngine
 from app.models import quant
 from app.models.quant.fused_decode import fuse_decode_layers
+from app.models.quant.linear_module import QuantLinear
+from app.models.quantized_tensor import QuantizedTensor
 from app.protocol import SamplingParams
 from tests.helpers import tiny_engine
 from tests.models.family_checkpoints import WINDOW, save_family_checkpoint
@@ -87,6 +89,33 @@ def test_qkv_bias_fused_equals_python(default_engine: LLMEngine):
         assert fuse_decode_layers(model)
 
 
+def test_mixed_types_in_one_layer_fused_equals_python(default_engine: LLMEngine):
+    """q|k of one type and v of another (as Q4_K_M files keep v in Q6_K): two kernel
+    runs side by side in one output."""
+    model = default_engine.loaded.model
+    layers = model.model.layers
+    originals = [layer.self_attn.qkv_proj for layer in layers]
+    try:
+        for layer, qkv in zip(layers, originals, strict=True):
+            w = quant.dequantize_packed(qkv.runs()[0][0]).numpy()
+            rows = qkv.segment_rows
+            mixed = QuantLinear(qkv.in_features, rows)
+            starts = [0, rows[0], rows[0] + rows[1], sum(rows)]
+            for i, qtype in enumerate(("Q8_0", "Q8_0", "Q4_0")):
+                part = w[starts[i] : starts[i + 1]]
+                gtype = getattr(gguf.GGMLQuantizationType, qtype)
+                raw = torch.from_numpy(gguf.quants.quantize(part, gtype))
+                mixed.set_segment(i, QuantizedTensor(raw, int(gtype), qkv.in_features))
+            layer.self_attn.qkv_proj = mixed
+        assert len(layers[0].self_attn.qkv_proj.runs()) == 2
+        assert fuse_decode_layers(model)
+        _assert_same(default_engine, [list(range(300, 330)), [7, 8, 9]])
+    finally:
+        for layer, qkv in zip(layers, originals, strict=True):
+            layer.self_attn.qkv_proj = qkv
+        assert fuse_decode_layers(model)
+
+
 def test_sliding_window_fused_equals_python(tmp_path: Path):
     # Phi-3's GGUF keeps its window (a Llama file has none); its q|k|v come fused.
     directory = save_family_checkpoint(tmp_path, "phi3", sliding_window=WINDOW)
@@ -106,6 +135,7 @@ def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
     assert not tiny_engine(path, quantization="none").loaded.model.model.fused_decode
     llama = save_family_checkpoint(tmp_path / "llama", "mistral-window")
     llama_gguf = write_gguf(llama, llama / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    assert tiny_engine(llama_gguf, quantization="gguf").loaded.model.model.fused_decode
     monkeypatch.setenv("SHOAL_FUSED_DECODE", "0")
     engine = tiny_engine(llama_gguf, quantization="gguf")
     assert not engine.loaded.model.model.fused_decode

@@ -6,10 +6,13 @@ cluster was torn down while its replica compiled, and the next suites' replicas 
 started).
 """
 
+import fnmatch
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
-from app.models import cpu_kernels
+from app.models import cpu_kernels, quant
 from app.models.kernel_build import build_directory
 
 LOAD = "from app.models import cpu_kernels; assert cpu_kernels.load() is not None"
@@ -26,3 +29,18 @@ def test_a_dead_builders_lock_file_is_cleared():
 
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert not stale.exists()
+
+
+def test_every_kernel_source_is_package_data():
+    """`pip install .` (the k8s image) ships the sources the kernels compile from: a
+    missing header fails both builds, and quantized models fall back to float."""
+    globs = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["tool"][
+        "setuptools"
+    ]["package-data"]
+    root = Path(cpu_kernels.__file__).parent.parent
+    sources = [root / "cpu_kernels" / name for name in cpu_kernels.SOURCES]
+    sources += [(root / "quant" / name).resolve() for name in quant._SOURCES]
+    for path in sources:
+        assert path.exists(), path
+        package = "app.models." + path.parent.name
+        assert any(fnmatch.fnmatch(path.name, g) for g in globs[package]), (path, package)

@@ -263,3 +263,22 @@ def test_bad_shapes_are_errors(kernels):
         quant.matmul(torch.randn(2, 512), packed)
     with pytest.raises(ValueError):
         pack(raw[:, :-1], QuantType.Q8_0)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
+def test_int8_rows_are_the_same_bits_at_any_row_count(kernels, qtype):
+    """Batch invariance (quant/__init__.py): a row's product does not depend on how many
+    rows share the call, across passes of 1-4 rows and chunks of 64."""
+    n, k = SHAPE
+    raw, _ = weights(qtype, n, k)
+    qt, parts = pack(raw, qtype).kernel_args
+    x = torch.randn(150, k)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        kernels.quant_matmul(rows, qt, parts, n, k, out, 0, 0, INT8)
+        return out
+
+    together = product(x)
+    for start, stop in ((0, 1), (3, 5), (7, 10), (20, 24), (61, 70), (0, 130)):
+        assert torch.equal(product(x[start:stop]), together[start:stop]), (start, stop)

@@ -149,9 +149,14 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 #if defined(__AVX512F__)
   const DecodeItemFn<scalar_t> fast = pick_decode_item<scalar_t>(G, hd);
 #endif
-  at::parallel_for(0, D * nkv, 1, [&](int64_t begin, int64_t end) {
+  // Items from both ends in turn: threads take contiguous ranges, and a prompt attended
+  // token by token (TorchPagedAttention.token_by_token) lists its tokens in position
+  // order, each with one more key than the last.
+  const int64_t items = D * nkv;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t w = i % 2 == 0 ? i / 2 : items - 1 - i / 2;
       const int64_t s = w / nkv, h = w % nkv;
       const int64_t ctx = lp[s], lo = first_visible(ctx - 1, window), len = ctx - lo;
       const int32_t* table = tp + s * max_blocks;

@@ -44,7 +44,7 @@ inline void axpy(float* acc, float w, const scalar_t* v, int64_t n) {
 
 // exp(x) for x <= 0 (Cephes-style: x = n ln2 + r, 2^n * P(r)); relative error ~1e-7.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // in this order a NaN stays NaN
   __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
                                                   _mm512_set1_ps(0.5f)),
                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -145,7 +145,7 @@ inline void axpy(float* acc, float w, const float* v, int64_t n) {
 // decode kernel (TorchPagedAttention.token_by_token): with std::exp per score, the
 // softmax took about a quarter of a 512-token prefill.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // in this order a NaN stays NaN
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);

@@ -1,6 +1,7 @@
-// A whole pre-norm decoder layer of a decode step in one call (app/models/quant/fused_decode.py):
-//   h + mlp(norm2(h')) where h' = h + o(attention(rope(qkv(norm1(h)))))
-// for a step whose every token is a decode, on quantised weights and float32 activations.
+// A whole pre-norm decoder layer in one call (app/models/quant/fused_decode.py):
+//   h' + mlp(norm2(h')) where h' = h + o(attention(rope(qkv(norm1(h)))))
+// for a step whose every token goes through the decode kernel (decodes; prompt tokens too
+// under TorchPagedAttention.token_by_token), on quantised weights and float32 hidden states.
 //
 // Each op is the one the layer's Python forward calls, with the same arguments, in the same
 // order: the C++ kernels of app/models/cpu_kernels (RMSNorm, RoPE, cache writes, paged
@@ -75,6 +76,8 @@ class DecodeLayer {
     const int64_t hidden = input_norm_.size(0);
     TORCH_CHECK(input_norm_.scalar_type() == at::kFloat && post_attention_norm_.scalar_type() == at::kFloat,
                 "norm weights must be float32");
+    TORCH_CHECK(nkv_ > 0 && nh_ % nkv_ == 0 && (!shoal_cpu::kVectorized || hd_ % 16 == 0),
+                "query heads must be a multiple of kv heads (and head_dim of 16 with AVX-512)");
     TORCH_CHECK(qkv_.n == (nh_ + 2 * nkv_) * hd_ && o_.n == hidden && down_.n == hidden && gate_up_.n % 2 == 0,
                 "layer shapes do not fit: qkv ", qkv_.n, ", o ", o_.n, ", gate_up ", gate_up_.n, ", down ", down_.n);
   }
@@ -90,6 +93,13 @@ class DecodeLayer {
     TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kInt &&
                     lens.scalar_type() == at::kInt && slots.size(0) == h.size(0) && lens.size(0) == h.size(0),
                 "slots (T,) int64, tables (T, blocks) and lens (T,) int32");
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == h.size(0) && cos.size(0) == h.size(0) &&
+                    cos.size(1) == hd_ && sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+                "tables (T, blocks); cos and sin (T, head_dim) float32");
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) == nkv_ && k_cache.size(3) == hd_ &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat,
+                "caches (blocks, kv heads, block size, head_dim)");
     const int64_t T = h.size(0), q_size = nh_ * hd_, kv_size = nkv_ * hd_;
     Tensor x = at::empty_like(h);
     shoal_cpu::rms_norm_impl<float>(x, h, input_norm_, eps_);

@@ -1,9 +1,10 @@
-"""Decode steps of a quantized model in one C++ call per decoder layer (decode_layer.cpp).
+"""Steps of a quantized model in one C++ call per decoder layer (decode_layer.cpp).
 
 A 135M model's decode step spends as long in Python between the kernels (module calls,
 attribute lookups, small tensors) as in the kernels themselves. For a step whose every
-token is a decode, DecoderModel hands each layer to its `fused_decode` instead, which runs
-the same ops in the same order from C++ and so returns the same bits. Layers the C++ does
+token goes through the decode kernel (decodes; with TorchPagedAttention.token_by_token,
+prompt tokens too), DecoderModel hands each layer to its `fused_decode` instead, which
+runs the same ops in the same order from C++ and so returns the same bits. Layers the C++ does
 not cover (q/k norms, sandwich norms, soft-capping, partial RoPE, experts, float
 weights, tensor parallelism, non-float32 activations) leave the whole model on the
 Python path. SHOAL_FUSED_DECODE=0 turns it off.
@@ -69,7 +70,7 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
     if (
         layer.sandwich
         or attn.q_norm is not None
-        or "softcap" in attn.attn_options
+        or not set(attn.attn_options) <= {"window"}
         or attn.rotary_dim != attn.head_dim
         or attn.exact
         or any(n.exact or n.eps != norms[0].eps for n in norms)
@@ -80,7 +81,9 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
     ):
         return None
     linears = [_runs(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if any(r is None for r in linears):
+    if any(r is None for r in linears) or any(
+        m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    ):
         return None
     qkv, o, gate_up, down = linears
     bias = attn.qkv_proj.bias

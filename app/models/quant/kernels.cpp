@@ -140,7 +140,13 @@ void matmul_into(const Tensor& xf, int64_t qtype, const std::vector<Tensor>& par
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_matmul", [&] {
       if constexpr (has_ints) {
         if (activations != kFloat) {
-          gemv_i8(f, n, k, xf.data_ptr<float>(), T, out.data_ptr<scalar_t>(), out.stride(0));
+          // Rows of x a chunk at a time: a chunk's int8 rows (2 bytes a weight for the
+          // 4-bit types) stay in L2 while every row group streams past them. A row's
+          // arithmetic does not depend on its chunk.
+          constexpr int64_t kRowChunk = 64;
+          for (int64_t t0 = 0; t0 < T; t0 += kRowChunk)
+            gemv_i8(f, n, k, xf.data_ptr<float>() + t0 * k, std::min(kRowChunk, T - t0),
+                    out.data_ptr<scalar_t>() + t0 * out.stride(0), out.stride(0));
           return;
         }
       }

@@ -5,6 +5,8 @@
 // bit for bit as this does. d stays float32 (llama.cpp rounds it to fp16).
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -79,13 +81,16 @@ inline QuantizedX quantize_x(const float* x, int64_t T, int64_t K, bool nibbles,
   qx.d.resize(T * qx.kb);
   qx.sxe.resize(sums ? T * qx.kb * kG : 0);
   const int64_t bytes = nibbles ? 64 : 32;
-  for (int64_t i = 0; i < T * qx.kb; ++i) {
-    int32_t sum;
-    const float d = quantize_block(x + i * 32, qx.q.data() + i * bytes, nibbles, &sum);
-    qx.d[i] = d;
-    if (sums)
-      for (int r = 0; r < kG; ++r) qx.sxe[i * kG + r] = d * float(sum);
-  }
+  // Blocks are independent: threads share them once there are enough (a prefill chunk's).
+  at::parallel_for(0, T * qx.kb, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int32_t sum;
+      const float d = quantize_block(x + i * 32, qx.q.data() + i * bytes, nibbles, &sum);
+      qx.d[i] = d;
+      if (sums)
+        for (int r = 0; r < kG; ++r) qx.sxe[i * kG + r] = d * float(sum);
+    }
+  });
   return qx;
 }
 
