@@ -122,7 +122,8 @@ class DecoderLayer(nn.Module):
             if arch.is_sparse(layer)
             else DenseMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
         )
-        # This layer in one C++ call for steps of decodes (app/models/quant/fused_decode.py).
+        # This layer in one C++ call for a step the decode kernel attends whole
+        # (app/models/quant/fused_decode.py).
         self.fused_decode: (
             Callable[[RopeTables, torch.Tensor, DecodeInputs], torch.Tensor] | None
         ) = None

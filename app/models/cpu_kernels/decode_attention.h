@@ -155,6 +155,11 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t items = D * nkv;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
+    // The G query heads' outputs of item (s, h), from acc.
+    const auto store = [&](int64_t s, int64_t h) {
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < hd; ++d) op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
+    };
     for (int64_t i = begin; i < end; ++i) {
       const int64_t w = i % 2 == 0 ? i / 2 : items - 1 - i / 2;
       const int64_t s = w / nkv, h = w % nkv;
@@ -168,9 +173,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
       if (fast != nullptr) {
         fast(qf.data(), kp, vp, table, lo, ctx, bs, block_stride, h * head_stride, cap, scores.data(),
              acc.data());
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < hd; ++d)
-            op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
+        store(s, h);
         continue;
       }
 #endif
@@ -191,8 +194,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         if (const auto sum = pick_value_sum(hd)) {
           for (int64_t g = 0; g < G; ++g)
             sum(scores.data() + g * len, vp, table, lo, ctx, bs, block_stride, h * head_stride, acc.data() + g * hd);
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < hd; ++d) op[(s * nh + h * G + g) * hd + d] = acc[g * hd + d];
+          store(s, h);
           continue;
         }
       }
@@ -204,9 +206,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           for (int64_t g = 0; g < G; ++g)
             axpy(acc.data() + g * hd, scores[g * len + start + t - lo], vb + t * hd, hd);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d)
-          op[(s * nh + h * G + g) * hd + d] = static_cast<scalar_t>(acc[g * hd + d]);
+      store(s, h);
     }
   });
 }
