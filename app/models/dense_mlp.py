@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.models import cpu_kernels
 from app.models.cpu_linear import PackedLinear
 
 
@@ -23,6 +24,9 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.fused: tuple[PackedLinear, PackedLinear] | None = None  # (gate, up), see fuse_for_cpu
+        # False for quantized models (allow_inexact_float32): silu * up in the C++ kernel the
+        # fused decoder layers call too, where a token must come out the same either way.
+        self.exact = True
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate(x)) * up(x)."""
@@ -31,7 +35,12 @@ class DenseMLP(nn.Module):
             if self.act == "silu":
                 return up.mul(x, gate.swish(x))  # in the GEMM epilogues
             return up.mul(x, activate(gate(x), self.act))
-        g, u = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if not self.exact and self.act == "silu" and gate_up.dtype == torch.float32:
+            kernels = cpu_kernels.load() if gate_up.device.type == "cpu" else None
+            if kernels is not None and gate_up.dim() == 2:
+                return kernels.silu_mul(gate_up)
+        g, u = gate_up.split(self.intermediate_size, dim=-1)
         return activate(g, self.act) * u
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

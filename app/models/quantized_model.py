@@ -83,8 +83,9 @@ def set_output_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def allow_inexact_float32(model: nn.Module) -> None:
-    """Norms and RoPE through the C++ kernels in float32 too: a quantized model differs
-    from transformers' anyway, and those kernels replace ~20 small torch ops per layer."""
+    """Norms, RoPE and the MLP's silu * up through the C++ kernels in float32 too: a
+    quantized model differs from transformers' anyway, and those kernels replace ~20 small
+    torch ops per layer."""
     for module in model.modules():
         if hasattr(module, "exact"):
             module.exact = False

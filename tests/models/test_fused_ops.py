@@ -40,3 +40,23 @@ def test_rotary_in_place_touches_only_the_leading_heads():
     pairs = first[:, : hd // 2] ** 2 + first[:, hd // 2 :] ** 2
     orig = x[:, : hd // 2] ** 2 + x[:, hd // 2 : hd] ** 2
     torch.testing.assert_close(pairs, orig, atol=1e-4, rtol=1e-4)
+
+
+def test_silu_mul_matches_torch_and_does_not_depend_on_the_row_count():
+    kernels = cpu_kernels.load()
+    torch.manual_seed(0)
+    inter = 13 * 8 + 5  # vectors and a scalar tail
+    gate_up = torch.randn(300, 2 * inter) * 4
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 60.0, -60.0])
+    gate_up[1, 0] = float("nan")
+    out = kernels.silu_mul(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert out.shape == (300, inter)
+    torch.testing.assert_close(out[2:], ref[2:], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=1e-5)
+    assert out[1, 0].isnan()
+    # A row alone (a decode) is the same bits as that row among 300 (a prefill's threads).
+    for row in (0, 7, 299):
+        assert torch.equal(kernels.silu_mul(gate_up[row : row + 1].clone())[0], out[row])
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.silu_mul(gate_up.double())

@@ -21,7 +21,7 @@ _module: ModuleType | None = None
 _tried = False
 
 
-SOURCES = ("kernels.cpp", "decode_attention.h", "norm_rope.h", "vector_math.h")
+SOURCES = ("kernels.cpp", "decode_attention.h", "norm_rope.h", "silu_mul.h", "vector_math.h")
 
 
 def _build_signature() -> str:

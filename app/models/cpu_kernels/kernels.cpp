@@ -25,6 +25,7 @@
 
 #include "decode_attention.h"
 #include "norm_rope.h"
+#include "silu_mul.h"
 #include "vector_math.h"
 
 namespace {
@@ -306,5 +307,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is vectorised (AVX-512)");
   m.def("rms_norm", &rms_norm, "RMSNorm with float32 arithmetic", no_gil());
   m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE applied in place to the leading heads", no_gil());
+  m.def("silu_mul", &shoal_cpu::silu_mul, "silu(gate) * up of a (T, 2 * inter) float32 gate|up product", no_gil());
   m.def("write_kv_cache", &write_kv_cache, "scatter new keys and values into their cache slots", no_gil());
 }

@@ -66,6 +66,7 @@ _SOURCES = (
     "simd.h",
     "../cpu_kernels/decode_attention.h",
     "../cpu_kernels/norm_rope.h",
+    "../cpu_kernels/silu_mul.h",
     "../cpu_kernels/vector_math.h",
 )
 

@@ -5,7 +5,7 @@
 //
 // Each op is the one the layer's Python forward calls, with the same arguments, in the same
 // order: the C++ kernels of app/models/cpu_kernels (RMSNorm, RoPE, cache writes, paged
-// decode attention), quant_matmul's product, and torch's silu and arithmetic. A decode is
+// decode attention, silu_mul), quant_matmul's product, and torch's adds. A decode is
 // then bit for bit what the Python layer computes, and a sequence's tokens do not depend on
 // whether its step took this path. What goes is the Python between the ops: ~15 module
 // calls and ~100 attribute lookups per layer, about half of a 135M model's decode step.
@@ -17,6 +17,7 @@
 
 #include "../cpu_kernels/decode_attention.h"
 #include "../cpu_kernels/norm_rope.h"
+#include "../cpu_kernels/silu_mul.h"
 #include "matmul.h"
 
 namespace shoal_quant {
@@ -116,8 +117,7 @@ class DecodeLayer {
     const Tensor h1 = h + o_(attn.view({T, q_size}), activations);
     shoal_cpu::rms_norm_impl<float>(x, h1, post_attention_norm_, eps_);
     const Tensor gate_up = gate_up_(x, activations);
-    const int64_t inter = gate_up_.n / 2;
-    const Tensor hidden = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
+    const Tensor hidden = shoal_cpu::silu_mul(gate_up);
     return h1 + down_(hidden, activations);
   }
 

@@ -52,10 +52,11 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
     for (int t = 0; t < TT; ++t) {
       const __m256i* xb = reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 64);
       const __m256i xlo = _mm256_loadu_si256(xb), xhi = _mm256_loadu_si256(xb + 1);
-      // int16 sums of four products: 15 * 127 * 4 fits
+      // int16 sums of four products (15 * 128 * 4 fits), then of eight (hadd, 15 * 128 * 8
+      // fits): one multiply-port widening where two and an int32 hadd did the same sums
       const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo01, xlo), _mm256_maddubs_epi16(hi01, xhi));
       const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo23, xlo), _mm256_maddubs_epi16(hi23, xhi));
-      const __m256i i = _mm256_hadd_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+      const __m256i i = _mm256_madd_epi16(_mm256_hadd_epi16(s01, s23), ones);
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), sw), _mm256_set1_ps(dx[t * kb + b]), acc[t]);
     }
   }
