@@ -10,7 +10,8 @@ Q4_1, Q8_0, Q4_K; gemv_i8.h), as llama.cpp does on every CPU matmul: 1.3-1.5x fa
 products than float32 x. The rounding turns any summation-order difference before it
 into a visible one, so a quantized model's forward is batch-invariant: the int8 GEMV
 takes any number of rows with the same per-row arithmetic, and attention takes every
-query token alone (TorchPagedAttention.token_by_token). A token's logits are then the same
+query token alone (TorchPagedAttention.token_by_token), and silu(gate) * up walks each
+row alone (cpu_kernels/silu_mul.h). A token's logits are then the same
 bits in a prompt, a prefill chunk after a cached prefix or a decode. Not for Q6_K layers
 (no integer kernel: the float GEMV's passes, and the tiles, depend on the row count).
 SHOAL_QUANT_ACTIVATIONS=float (or float_activations = True) keeps x in float32: results
