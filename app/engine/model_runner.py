@@ -168,7 +168,13 @@ class ModelRunner:
             v[index] = kv[layer, 1].to(self.device, v.dtype)
 
     def _bind_caches(self) -> None:
-        # Bound per run (30 attribute stores) so engines may share one model's weights.
+        # Bound per run so engines may share one model's weights, but only when another
+        # engine (or none) bound them last: the stores go through Module.__setattr__, two
+        # per layer, ~0.7 ms of a 7 ms decode step on SmolLM2. The layers are always bound
+        # together, so the first layer's key cache tells whose they are.
+        first = self.model.model.layers[0].self_attn
+        if first.__dict__.get("k_cache") is self.k_caches[0]:
+            return
         for layer, k, v in zip(self.model.model.layers, self.k_caches, self.v_caches, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
