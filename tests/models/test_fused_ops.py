@@ -46,17 +46,18 @@ def test_silu_mul_matches_torch_and_does_not_depend_on_the_row_count():
     kernels = cpu_kernels.load()
     torch.manual_seed(0)
     inter = 13 * 8 + 5  # vectors and a scalar tail
-    gate_up = torch.randn(300, 2 * inter) * 4
+    gate_up = torch.randn(1000, 2 * inter) * 4  # rows enough for both threads (grain 300)
     gate_up[0, :4] = torch.tensor([0.0, -0.0, 60.0, -60.0])
     gate_up[1, 0] = float("nan")
     out = kernels.silu_mul(gate_up)
     ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    assert out.shape == (300, inter)
+    assert out.shape == (1000, inter)
     torch.testing.assert_close(out[2:], ref[2:], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=1e-5)
     assert out[1, 0].isnan()
-    # A row alone (a decode) is the same bits as that row among 300 (a prefill's threads).
-    for row in (0, 7, 299):
+    # A row alone (a decode) is the same bits as that row among 1000 (a prefill's threads).
+    for row in (0, 7, 499, 500, 999):
         assert torch.equal(kernels.silu_mul(gate_up[row : row + 1].clone())[0], out[row])
-    with pytest.raises(RuntimeError, match="float32"):
-        kernels.silu_mul(gate_up.double())
+    for bad in (gate_up.double(), gate_up[:, :0]):
+        with pytest.raises(RuntimeError, match="float32"):
+            kernels.silu_mul(bad)

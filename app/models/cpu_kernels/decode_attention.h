@@ -112,12 +112,12 @@ void value_sums(const float* p, int64_t G, int64_t len, const float* vp, const i
     const float* vb = vp + table[b] * block_stride + head_off;
     const int64_t n = std::min(bs, ctx - start), t0 = std::max<int64_t>(lo - start, 0);
     for (int64_t g = 0; g < G; ++g) {
-      const float* pg = p + g * len + start - lo;
+      const float* pg = p + g * len;  // key start + t at start + t - lo
       float* og = out + g * hd;
       __m256 acc[NC];
       for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(og + c * 8);
       for (int64_t t = t0; t < n; ++t) {
-        const __m256 w = _mm256_set1_ps(pg[t]);
+        const __m256 w = _mm256_set1_ps(pg[start + t - lo]);
         for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + t * hd + c * 8), acc[c]);
       }
       for (int c = 0; c < NC; ++c) _mm256_storeu_ps(og + c * 8, acc[c]);

@@ -77,6 +77,7 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
         or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
         or not isinstance(mlp, DenseMLP)
         or mlp.act != "silu"
+        or mlp.exact  # its Python path would take torch's silu, not silu_mul
         or mlp.fused is not None
     ):
         return None
