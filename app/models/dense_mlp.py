@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models import cpu_kernels
 from app.models.cpu_linear import PackedLinear
+from app.models.fused_ops import silu_mul
 
 
 def activate(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -36,10 +36,8 @@ class DenseMLP(nn.Module):
                 return up.mul(x, gate.swish(x))  # in the GEMM epilogues
             return up.mul(x, activate(gate(x), self.act))
         gate_up = self.gate_up_proj(x)
-        if not self.exact and self.act == "silu" and gate_up.dtype == torch.float32:
-            kernels = cpu_kernels.load() if gate_up.device.type == "cpu" else None
-            if kernels is not None and gate_up.dim() == 2:
-                return kernels.silu_mul(gate_up)
+        if self.act == "silu":
+            return silu_mul(gate_up, self.intermediate_size, self.exact)
         g, u = gate_up.split(self.intermediate_size, dim=-1)
         return activate(g, self.act) * u
 

@@ -1,5 +1,5 @@
-"""RMSNorm and RoPE with C++ fast paths (app/models/cpu_kernels) for reduced precision on
-CPU, where torch spends more time converting dtypes than computing.
+"""RMSNorm, RoPE and silu(gate) * up with C++ fast paths (app/models/cpu_kernels) for
+reduced precision on CPU, where torch spends more time converting dtypes than computing.
 
 float32 takes transformers' exact op sequence unless the caller passes exact=False: the
 token-identical tests against transformers run in float32 and rely on it. A model that
@@ -51,3 +51,14 @@ def rotate_heads_(
     c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # (T, 1, hd)
     rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
     part.copy_(part * c + rotated * s)
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, exact: bool = True) -> torch.Tensor:
+    """silu(gate) * up of a gate|up product (T, 2 * inter). exact=False (quantized models)
+    takes the C++ kernel for float32 rows, the one the fused decoder layers call, so a
+    token gets the same bits on either path."""
+    kernels = _kernels_for(gate_up, exact)
+    if kernels is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    return F.silu(gate) * up
