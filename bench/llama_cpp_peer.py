@@ -110,8 +110,7 @@ class LlamaServer:
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"llama-server exited: {self.log.read()[-2000:]}")
+                raise RuntimeError(f"llama-server exited: {self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
@@ -120,6 +119,10 @@ class LlamaServer:
             time.sleep(0.5)
         self.__exit__()
         raise TimeoutError("llama-server did not become healthy in 120 s")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-chars:]
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
