@@ -105,7 +105,7 @@ class LlamaServer:
         import httpx
 
         # Its log goes to a file: an unread pipe fills and stalls the server's log thread.
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+b")
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -121,8 +121,12 @@ class LlamaServer:
         raise TimeoutError("llama-server did not become healthy in 120 s")
 
     def log_tail(self, chars: int = 2000) -> str:
-        self.log.seek(0)
-        return self.log.read()[-chars:]
+        """The end of the server's log. pread: the server shares the file's offset, and a
+        seek would move where it writes next."""
+        fd = self.log.fileno()
+        size = os.fstat(fd).st_size
+        start = max(0, size - 4 * chars)
+        return os.pread(fd, size - start, start).decode(errors="replace")[-chars:]
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:

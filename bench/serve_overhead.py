@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_cpp_peer as llama_cpp  # noqa: E402
+
+from tests.direct_ingress import direct_ingress_flags, find_direct_ingress  # noqa: E402
 
 # Output tok/s at 32 streams measured on this kind of machine (quoted; llama.cpp's is
 # replaced by a side-by-side run when its server binary is found).
@@ -56,9 +59,11 @@ TOPICS = [
 ]
 
 
-def messages_for(client: int, round_: int) -> list[dict]:
+def messages_for(client: int, round_: int, salt: str = "") -> list[dict]:
+    """`salt` starts the user's turn: two paths to one engine then share only the system
+    prompt in its prefix cache, as two runs against two engines do."""
     topic = TOPICS[(client * 7 + round_) % len(TOPICS)]
-    ask = f"Explain {topic}. (question {client}-{round_})"
+    ask = f"{salt}Explain {topic}. (question {client}-{round_})"
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
 
 
@@ -81,12 +86,12 @@ class Run:
         }
 
 
-async def closed_loop(n: int, rounds: int, one_request) -> Run:  # noqa: ANN001
+async def closed_loop(n: int, rounds: int, one_request, salt: str = "") -> Run:  # noqa: ANN001
     run = Run()
 
     async def client(i: int) -> None:
         for r in range(rounds):
-            await one_request(run, messages_for(i, r))
+            await one_request(run, messages_for(i, r, salt))
 
     start = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(n)))
@@ -177,7 +182,8 @@ def bench_http(
     async def level(n: int, rounds: int) -> Run:
         limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            return await closed_loop(n, rounds, lambda run, m: one_request(run, m, client))
+            request = lambda run, m: one_request(run, m, client)  # noqa: E731
+            return await closed_loop(n, rounds, request, salt=f"[{label}] ")
 
     asyncio.run(level(1, 1))  # warm-up
     results = {}
@@ -188,29 +194,35 @@ def bench_http(
 
 
 def bench_serve(
-    config, levels: list[tuple[int, int]], max_tokens: int, port: int, direct_ingress: bool
-) -> tuple[dict, dict | None]:  # noqa: ANN001
+    config,  # noqa: ANN001
+    levels: list[tuple[int, int]],
+    max_tokens: int,
+    port: int,
+    direct_ingress: bool,
+) -> tuple[dict, dict | None]:
     """The levels through Serve's proxy; with `direct_ingress`, each level also through the
-    Ingress replica's own HTTP server (Ray Serve's direct ingress), right after it on the
-    same Ray. Returns (proxy, direct or None)."""
-    import os
-
+    Ingress replica's own HTTP server (Ray Serve's direct ingress) on the same Ray, the two
+    in turns (proxy first at odd levels, direct first at even ones). Returns (proxy, direct
+    or None)."""
     import ray
     from ray import serve
 
     from deployments.builder import build_app
 
-    direct_port = None
-    if direct_ingress:
-        # Read by Serve's controller and replicas at import: set before Ray starts them.
-        direct_port = llama_cpp.free_port()
-        os.environ.update(
-            RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
-            RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
-            RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 50),
-            RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0",
-        )
-    ray.init(include_dashboard=False, log_to_driver=False)
+    direct_port = llama_cpp.free_port() if direct_ingress else None
+    flags = direct_ingress_flags(direct_port) if direct_port else {}
+    saved = {k: os.environ.get(k) for k in flags}
+    # Read by Serve's controller and replicas at import: set while Ray starts them. A new
+    # local Ray ("local"), so that they cannot be lost on a cluster already running.
+    os.environ.update(flags)
+    try:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
@@ -218,57 +230,44 @@ def bench_serve(
         model = config.models[0].name
         if direct_port is None:
             return bench_http(f"http://127.0.0.1:{port}", model, levels, max_tokens, "serve"), None
-        direct_url = find_direct_ingress(direct_port)
-        proxy, direct = {}, {}
-        for level in levels:
-            proxy |= bench_http(f"http://127.0.0.1:{port}", model, [level], max_tokens, "serve")
-            direct |= bench_http(direct_url, model, [level], max_tokens, "direct")
-        return proxy, direct
+        direct_url = find_direct_ingress(direct_port, skip=port)
+        paths = {"serve": f"http://127.0.0.1:{port}", "direct": direct_url}
+        measured: dict = {"serve": {}, "direct": {}}
+        for i, level in enumerate(levels):
+            for label in ("serve", "direct") if i % 2 == 0 else ("direct", "serve"):
+                measured[label] |= bench_http(paths[label], model, [level], max_tokens, label)
+        return measured["serve"], measured["direct"]
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def find_direct_ingress(first_port: int, timeout_s: float = 120) -> str:
-    """The Ingress replica's URL: Serve gives it the lowest free port of the range."""
+def bench_llama_server(
+    binary: str,
+    config,  # noqa: ANN001
+    levels: list[tuple[int, int]],
+    max_tokens: int,
+    port: int | None,
+) -> dict:
+    """llama-server on the same GGUF file with the same threads, a slot per client."""
     import httpx
 
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for port in range(first_port, first_port + 50):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return f"http://127.0.0.1:{port}"
-            except httpx.HTTPError:
-                pass
-        time.sleep(1)
-    raise TimeoutError(f"no direct ingress answered on ports {first_port}-{first_port + 49}")
-
-
-def bench_llama_server(
-    binary: str, config, levels: list[tuple[int, int]], max_tokens: int, port: int | None
-) -> dict:  # noqa: ANN001
-    """llama-server on the same GGUF file with the same threads, a slot per client."""
     from app.models.source import resolve_model
 
     engine = config.models[0].engine
     source = resolve_model(engine.model)
     path = str(source.directory / source.gguf_file)
     slots = max(n for n, _ in levels)
-    import httpx
-
-    for attempt in (1, 2):
-        with llama_cpp.LlamaServer(binary, path, engine.threads, port, slots, 512) as server:
-            try:
-                return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
-            except httpx.TransportError as exc:
-                # Seen twice in about ten runs, always right after Ray's shutdown: the first
-                # request's connection closed with no response (never reproduced alone).
-                # A new server, once, and the bench says so.
-                print(f"llama-server attempt {attempt}: {exc!r}; server log:\n{server.log_tail()}")
-                if attempt == 2:
-                    raise
-    raise AssertionError("unreachable")
+    with llama_cpp.LlamaServer(binary, path, engine.threads, port, slots, 512) as server:
+        try:
+            return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
+        except httpx.RemoteProtocolError as exc:
+            # Seen three times, each right after Ray's shutdown: the first request's
+            # connection closed with no response and the server's log was empty (never
+            # reproduced alone). A new server, once, and the bench says so.
+            print(f"llama-server: {exc!r}; its log:\n{server.log_tail()}\nretrying once")
+    with llama_cpp.LlamaServer(binary, path, engine.threads, port, slots, 512) as server:
+        return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
 
 
 def wait_healthy(url: str, timeout_s: float = 300) -> None:
@@ -371,9 +370,10 @@ def main() -> None:
             versus = (
                 f"  |  vs llama.cpp {direct[n]['tok_s'] / llama[n]['tok_s']:.2f}x" if llama else ""
             )
+            d = direct[n]
             print(
-                f"N={n:<3} direct ingress {direct[n]['tok_s']:.1f} tok/s, ITL {direct[n]['itl_p50_ms']} ms"
-                f"  |  vs proxy {direct[n]['tok_s'] / served[n]['tok_s']:.2f}x{versus}"
+                f"N={n:<3} direct ingress {d['tok_s']:.1f} tok/s, ITL {d['itl_p50_ms']} ms"
+                f"  |  vs proxy {d['tok_s'] / served[n]['tok_s']:.2f}x{versus}"
             )
     result["peers_measured_here"] = llama is not None
     for peer, tok_s in peers.items():

@@ -58,7 +58,13 @@ class LocalCluster:
         self._saved_env = {k: os.environ.get(k) for k in NO_AUTH}
         os.environ.update(NO_AUTH)
 
-    def start_head(self, num_cpus: float, resources: dict[str, float] | None = None) -> str:
+    def start_head(
+        self,
+        num_cpus: float,
+        resources: dict[str, float] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
+        """`env`: more environment for the head's processes (flags Ray reads at start)."""
         port = free_port()
         self._start(
             "head",
@@ -71,6 +77,7 @@ class LocalCluster:
             ],
             num_cpus,
             resources,
+            env,
         )
         self.address = f"127.0.0.1:{port}"
         return self.address
@@ -79,7 +86,9 @@ class LocalCluster:
         assert self.address, "start the head first"
         self._start(name, [f"--address={self.address}"], num_cpus, resources)
 
-    def _start(self, name: str, args: list[str], num_cpus: float, resources) -> None:
+    def _start(
+        self, name: str, args: list[str], num_cpus: float, resources, env: dict | None = None
+    ) -> None:
         manager_port = free_port()
         command = [
             self.ray,
@@ -96,8 +105,8 @@ class LocalCluster:
             f"--metrics-export-port={free_port()}",
             "--disable-usage-stats",
         ]
-        env = {**os.environ, **FAST_FAILURE, **NO_AUTH}
-        subprocess.run(command, check=True, env=env, capture_output=True, timeout=120)
+        full_env = {**os.environ, **FAST_FAILURE, **NO_AUTH, **(env or {})}
+        subprocess.run(command, check=True, env=full_env, capture_output=True, timeout=120)
         self.nodes[name] = manager_port
 
     def raylet(self, name: str) -> psutil.Process:

@@ -4,16 +4,18 @@ proxy's port still works. README ("Direct ingress") documents the mode; this che
 Shoal itself must keep true there: the same greedy text on both paths through the official
 OpenAI client, errors in OpenAI's shape, and a client that hangs up freeing its request.
 
-Its own Ray (a `ray start` head with the flags in its environment): the flags are read
-when Serve's controller and replicas start, so the session's shared app cannot have them.
+Its own Ray (a `ray start` head with the flags in its environment, tests/direct_ingress.py):
+the flags are read when Serve's controller and replicas start, so the session's shared app
+cannot have them.
 """
 
-import os
+import contextlib
 import time
 
 import httpx
 import pytest
 
+from tests.direct_ingress import direct_ingress_flags, find_direct_ingress
 from tests.local_cluster import LocalCluster, free_port, healthy
 
 MODEL = "smollm2-135m-instruct"
@@ -29,17 +31,9 @@ def urls():
     from deployments.config import AppConfig
 
     first = free_port()
-    flags = {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 20),
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",  # no load balancer to drain
-    }
-    saved = {k: os.environ.get(k) for k in flags}
     c = LocalCluster()
     try:
-        os.environ.update(flags)  # the head's processes inherit them (LocalCluster._start)
-        c.start_head(num_cpus=2)
+        c.start_head(num_cpus=2, env=direct_ingress_flags(first))
         ray.init(address=c.address, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -52,31 +46,16 @@ def urls():
         serve.run(build_app(config), name="default", route_prefix="/")
         proxy = f"http://127.0.0.1:{port}"
         c.wait_for(lambda: healthy(proxy), 120, "the proxy's /health")
-        # Serve gives the Ingress replica the lowest free port of the range.
-        direct = c.wait_for(
-            lambda: next(
-                (
-                    f"http://127.0.0.1:{p}"
-                    for p in range(first, first + 21)
-                    if healthy(f"http://127.0.0.1:{p}")
-                ),
-                None,
-            ),
-            120,
-            "the Ingress replica's own port",
-        )
-        yield proxy, direct
+        yield proxy, find_direct_ingress(first, skip=port)
     finally:
         try:
-            serve.shutdown()
+            # Only on this cluster: serve.shutdown() with no Ray would start one of its own.
+            if ray.is_initialized():
+                with contextlib.suppress(Exception):
+                    serve.shutdown()
             ray.shutdown()
         finally:
             c.stop()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def test_both_paths_stream_the_same_text(urls):
@@ -84,7 +63,7 @@ def test_both_paths_stream_the_same_text(urls):
 
     texts = []
     for url in urls:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         stream = client.chat.completions.create(
             model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True
         )
@@ -109,7 +88,16 @@ def test_hanging_up_frees_the_request(urls):
     from ray import serve
 
     _, direct = urls
-    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 1000, "stream": True}
+    # 4000 tokens on one CPU thread take minutes, far past the 20 s below: only the
+    # hang-up can end the request in time.
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long story.",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{direct}/v1/completions", json=body, timeout=60) as r:
         lines = 0
         for line in r.iter_lines():
@@ -119,7 +107,7 @@ def test_hanging_up_frees_the_request(urls):
     handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="default")
     deadline = time.time() + 20
     while time.time() < deadline:
-        stats = handle.stats.remote().result()
+        stats = handle.stats.remote().result(timeout_s=10)
         if stats["num_running"] == 0 and stats["kv_blocks_used"] == 0:
             break
         time.sleep(0.2)
