@@ -16,7 +16,8 @@ except llama.cpp's: when its `llama-server` is found (`--llama-cpp DIR` or $SHOA
 bench/llama_cpp_peer.py), it serves the same GGUF file with the same threads and one slot
 per client, and the same clients run against it in the same invocation. With
 `--direct-ingress`, Serve runs with Ray's direct ingress on and each level is measured
-through the proxy and then through the Ingress replica's own HTTP port. The last line
+through the proxy and through the Ingress replica's own HTTP port, in turns (each path's
+prompts tagged, so neither finds the other's in the prefix cache). The last line
 printed is a JSON object with every figure.
 """
 
