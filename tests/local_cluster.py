@@ -87,7 +87,12 @@ class LocalCluster:
         self._start(name, [f"--address={self.address}"], num_cpus, resources)
 
     def _start(
-        self, name: str, args: list[str], num_cpus: float, resources, env: dict | None = None
+        self,
+        name: str,
+        args: list[str],
+        num_cpus: float,
+        resources,
+        env: dict[str, str] | None = None,
     ) -> None:
         manager_port = free_port()
         command = [
