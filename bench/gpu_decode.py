@@ -193,7 +193,9 @@ def run_shape(shape: str, args: argparse.Namespace, root: Path, bandwidth: float
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for b in loaded.model.buffers())
     kv_bytes = 2 * arch.num_layers * arch.kv_size * dtype.itemsize * (PROMPT + NEW // 2)
-    floor_ms = (weight_bytes + kv_bytes) / (bandwidth / 2) * 1000  # a read is half a copy
+    # The copy's figure counts bytes read and written: what the memory moves per second,
+    # the rate at which one step's reads can go at best.
+    floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
     ours = shoal_figures(engine, args, arch.vocab_size)
     del engine, loaded
     if device.type == "cuda":
@@ -238,21 +240,34 @@ def print_shape(r: dict, args: argparse.Namespace) -> None:
 
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)
-    gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="smollm2-135m,llama3-8b" if gpu else "tiny")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="bfloat16" if gpu else "float32")
-    parser.add_argument("--concurrency", default="1,8,64,256" if gpu else "1,8")
-    parser.add_argument("--ttft", default="512,4096" if gpu else "64")
-    parser.add_argument("--kv-gib", type=float, default=16.0 if gpu else 0.25)
+    # the rest default by the device chosen: --device=cpu on a GPU host runs the CPU set
+    parser.add_argument("--shapes")
+    parser.add_argument("--dtype")
+    parser.add_argument("--concurrency")
+    parser.add_argument("--ttft")
+    parser.add_argument("--kv-gib", type=float)
     parser.add_argument("--skip-hf", action="store_true", help="only Shoal's figures")
     args = parser.parse_args()
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if gpu:
+        shapes, dtype, concurrency, ttft, kv_gib = (
+            "smollm2-135m,llama3-8b",
+            "bfloat16",
+            "1,8,64,256",
+            "512,4096",
+            16.0,
+        )
+    else:
+        shapes, dtype, concurrency, ttft, kv_gib = "tiny", "float32", "1,8", "64", 0.25
+    defaults = dict(shapes=shapes, dtype=dtype, concurrency=concurrency, ttft=ttft, kv_gib=kv_gib)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.ttft = [int(n) for n in args.ttft.split(",")]
-    device = torch.device(
-        "cuda" if args.device == "cuda" or (args.device == "auto" and gpu) else "cpu"
-    )
+    device = torch.device("cuda" if gpu else "cpu")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth on {device}: {bandwidth / 1e9:.1f} GB/s (read + write)")
     results = []

@@ -91,7 +91,7 @@ def perplexity(engine: LLMEngine, ids: list[int], ctx: int) -> tuple[float, int]
             if engine.arch.final_softcap:  # Gemma 2, as DecoderForCausalLM.forward does
                 cap = engine.arch.final_softcap
                 logits = torch.tanh(logits / cap) * cap
-            targets = torch.tensor(window[first + 1 :])
+            targets = torch.tensor(window[first + 1 :], device=logits.device)
             nll -= float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum())
             scored += len(targets)
     finally:

@@ -60,6 +60,12 @@ def tiny_engine(checkpoint: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(**settings))
 
 
+def cpu_engine(checkpoint: Path, **overrides: Any) -> LLMEngine:
+    """tiny_engine on the CPU, for the CPU's own paths (quantized weights, fused decode
+    layers, oneDNN packing), which a GPU host would otherwise never take."""
+    return tiny_engine(checkpoint, device="cpu", **overrides)
+
+
 def tiny_config(checkpoint: Path | str, **overrides: Any) -> EngineConfig:
     """An EngineConfig over a tiny checkpoint, one thread (for engine processes and shards,
     which share the machine's cores with the test)."""

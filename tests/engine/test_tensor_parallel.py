@@ -64,16 +64,20 @@ def assert_same_as(reference: LLMEngine, deltas: list[list], params: SamplingPar
 
 def test_tp2_tiny_llama_matches_tp1(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
-    with tp_engine(tiny_config(tiny_llama, tensor_parallel_size=2)) as (engine, _):
+    with tp_engine(tiny_config(tiny_llama, tensor_parallel_size=2, device="cpu")) as (engine, _):
         deltas = run_all(engine, params)
-    assert_same_as(LLMEngine(tiny_config(tiny_llama)), deltas, params)
+    assert_same_as(LLMEngine(tiny_config(tiny_llama, device="cpu")), deltas, params)
 
 
 def test_tp3_smollm2_matches_tp1(smollm2_engine):
     """9 query heads and 3 KV heads over 3 shards; float32, like the reference."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     config = EngineConfig(
-        dtype="float32", num_threads=1, kv_cache_memory_gib=0.25, tensor_parallel_size=3
+        device="cpu",
+        dtype="float32",
+        num_threads=1,
+        kv_cache_memory_gib=0.25,
+        tensor_parallel_size=3,
     )
     with tp_engine(config) as (engine, _):
         deltas = run_all(engine, params)
@@ -81,7 +85,7 @@ def test_tp3_smollm2_matches_tp1(smollm2_engine):
 
 
 def test_a_dead_shard_ends_streams_and_fails_health(tiny_llama):
-    config = tiny_config(tiny_llama, tensor_parallel_size=2).model_copy(
+    config = tiny_config(tiny_llama, tensor_parallel_size=2, device="cpu").model_copy(
         update={"num_kv_blocks": 256}
     )
     with tp_engine(config) as (engine, shards):

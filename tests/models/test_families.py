@@ -119,9 +119,9 @@ def test_tensor_parallel_matches_one_shard(name, tmp_path):
 
     directory = save_family_checkpoint(tmp_path, name)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    with tp_engine(tiny_config(directory, tensor_parallel_size=2)) as (engine, _):
+    with tp_engine(tiny_config(directory, tensor_parallel_size=2, device="cpu")) as (engine, _):
         deltas = run_all(engine, params)
-    assert_same_as(tiny_engine(directory), deltas, params)
+    assert_same_as(tiny_engine(directory, device="cpu"), deltas, params)
 
 
 def test_unsupported_features_fail_at_load_naming_them(tmp_path):

@@ -59,8 +59,8 @@ def test_gguf_generates_as_safetensors(family, tmp_path):
     else:
         assert read_arch(resolve_model(str(gguf))) == read_arch(resolve_model(str(directory)))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
-    want = tiny_engine(directory).generate(PROMPTS, params)
-    got = tiny_engine(gguf).generate(PROMPTS, params)
+    want = tiny_engine(directory, device="cpu").generate(PROMPTS, params)
+    got = tiny_engine(gguf, device="cpu").generate(PROMPTS, params)
     for ours, theirs in zip(got, want, strict=True):
         ours, theirs = ours.outputs[0], theirs.outputs[0]
         assert ours.token_ids == theirs.token_ids, family

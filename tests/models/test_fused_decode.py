@@ -16,7 +16,7 @@ from app.models.quant.fused_decode import fuse_decode_layers
 from app.models.quant.linear_module import QuantLinear
 from app.models.quantized_tensor import QuantizedTensor
 from app.protocol import SamplingParams
-from tests.helpers import tiny_engine
+from tests.helpers import cpu_engine
 from tests.models.family_checkpoints import WINDOW, save_family_checkpoint
 from tests.models.gguf_writer import write_gguf
 
@@ -27,7 +27,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=
 def default_engine() -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            dtype="float32", num_threads=2, kv_cache_memory_gib=0.1, enable_prefix_caching=False
+            device="cpu",  # the fused layers are the CPU path, also on a GPU host
+            dtype="float32",
+            num_threads=2,
+            kv_cache_memory_gib=0.1,
+            enable_prefix_caching=False,
         )
     )
 
@@ -120,7 +124,7 @@ def test_sliding_window_fused_equals_python(tmp_path: Path):
     # Phi-3's GGUF keeps its window (a Llama file has none); its q|k|v come fused.
     directory = save_family_checkpoint(tmp_path, "phi3", sliding_window=WINDOW)
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    engine = tiny_engine(path, quantization="gguf", enable_prefix_caching=False)
+    engine = cpu_engine(path, quantization="gguf", enable_prefix_caching=False)
     model = engine.loaded.model.model
     assert model.fused_decode
     assert all(layer.self_attn.attn_options == {"window": WINDOW} for layer in model.layers)
@@ -131,12 +135,12 @@ def test_sliding_window_fused_equals_python(tmp_path: Path):
 def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
     directory = save_family_checkpoint(tmp_path, "qwen3")  # q/k norms
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    assert not tiny_engine(path, quantization="gguf").loaded.model.model.fused_decode
-    assert not tiny_engine(path, quantization="none").loaded.model.model.fused_decode
+    assert not cpu_engine(path, quantization="gguf").loaded.model.model.fused_decode
+    assert not cpu_engine(path, quantization="none").loaded.model.model.fused_decode
     llama = save_family_checkpoint(tmp_path / "llama", "mistral-window")
     llama_gguf = write_gguf(llama, llama / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    assert tiny_engine(llama_gguf, quantization="gguf").loaded.model.model.fused_decode
+    assert cpu_engine(llama_gguf, quantization="gguf").loaded.model.model.fused_decode
     monkeypatch.setenv("SHOAL_FUSED_DECODE", "0")
-    engine = tiny_engine(llama_gguf, quantization="gguf")
+    engine = cpu_engine(llama_gguf, quantization="gguf")
     assert not engine.loaded.model.model.fused_decode
     assert engine.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids

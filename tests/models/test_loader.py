@@ -11,7 +11,7 @@ from app.models.attention import select_backend
 from app.models.loader import load_model
 from app.models.source import ModelSource, resolve_model
 from app.protocol import ModelLoadError, SamplingParams
-from tests.helpers import save_tiny_checkpoint, tiny_engine
+from tests.helpers import cpu_engine, save_tiny_checkpoint, tiny_engine
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -167,15 +167,15 @@ def test_bf16_prepacked_and_fused_layers_match_plain_ones(tmp_path: Path, monkey
         # No such CPU path here: it must be missing for the CPU's sake, and the engine
         # must fall back to plain layers that still generate.
         assert torch.backends.cpu.get_cpu_capability() != "AVX512", "oneDNN bf16 path missing"
-        engine = tiny_engine(directory, dtype="bfloat16")
+        engine = cpu_engine(directory, dtype="bfloat16")
         assert not isinstance(engine.loaded.model.lm_head, cpu_linear.PackedLinear)
         assert len(engine.generate([ids], params)[0].outputs[0].token_ids) == 6
         return
-    packed_engine = tiny_engine(directory, dtype="bfloat16")
+    packed_engine = cpu_engine(directory, dtype="bfloat16")
     assert isinstance(packed_engine.loaded.model.lm_head, cpu_linear.PackedLinear)
     packed = packed_engine.generate([ids], params)[0].outputs[0]
     monkeypatch.setattr(loader, "can_prepack", lambda *a: False)
-    plain = tiny_engine(directory, dtype="bfloat16").generate([ids], params)[0].outputs[0]
+    plain = cpu_engine(directory, dtype="bfloat16").generate([ids], params)[0].outputs[0]
     first_packed, first_plain = packed.logprobs[0], plain.logprobs[0]
     assert first_packed.token_id == first_plain.token_id
     plain_top = dict(first_plain.top)

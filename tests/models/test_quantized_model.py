@@ -15,7 +15,7 @@ from app.models.quant.linear_module import QuantEmbedding, QuantLinear
 from app.models.quantized_model import quantized_bytes
 from app.models.source import default_model_path
 from app.protocol import ModelLoadError, SamplingParams
-from tests.helpers import tiny_engine
+from tests.helpers import cpu_engine
 from tests.models.family_checkpoints import save_family_checkpoint
 from tests.models.gguf_writer import write_gguf
 
@@ -42,7 +42,7 @@ def _assert_close(ours: list, reference: list, tol: float) -> None:
 
 
 def test_default_gguf_served_from_its_blocks():
-    settings = dict(dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
+    settings = dict(device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
     quantized = LLMEngine(EngineConfig(quantization="gguf", **settings))
     model = quantized.loaded.model
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
@@ -66,17 +66,17 @@ def test_quantized_gguf_of_every_row_edit(tmp_path: Path):
     for family in ("qwen3", "phi3", "mixtral"):
         directory = save_family_checkpoint(tmp_path / family, family)
         path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-        quantized = tiny_engine(path, quantization="gguf")
+        quantized = cpu_engine(path, quantization="gguf")
         layers = [m for m in quantized.loaded.model.modules() if isinstance(m, QuantLinear)]
         assert layers, family
-        _assert_close(_run(quantized), _run(tiny_engine(path, quantization="none")), 1e-4)
+        _assert_close(_run(quantized), _run(cpu_engine(path, quantization="none")), 1e-4)
 
 
 def test_int8_quantizes_a_float_checkpoint(tmp_path: Path):
     directory = save_family_checkpoint(tmp_path, "qwen3")
-    engine = tiny_engine(directory, quantization="int8")
+    engine = cpu_engine(directory, quantization="int8")
     assert isinstance(engine.loaded.model.model.layers[0].mlp.gate_up_proj, QuantLinear)
-    ours, reference = _run(engine), _run(tiny_engine(directory))
+    ours, reference = _run(engine), _run(cpu_engine(directory))
     agree = sum(a.token_ids[:4] == b.token_ids[:4] for a, b in zip(ours, reference, strict=True))
     assert agree >= 2  # 8-bit weights: the first greedy steps still follow float32
 
@@ -84,7 +84,7 @@ def test_int8_quantizes_a_float_checkpoint(tmp_path: Path):
 def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path):
     directory = save_family_checkpoint(tmp_path, "qwen3")
     with pytest.raises(ModelLoadError, match="quantization 'gguf' impossible: the model is not"):
-        tiny_engine(directory, quantization="gguf")
+        cpu_engine(directory, quantization="gguf")
 
 
 def test_without_kernels_gguf_refuses_and_auto_dequantizes(monkeypatch, tmp_path: Path):
@@ -92,5 +92,5 @@ def test_without_kernels_gguf_refuses_and_auto_dequantizes(monkeypatch, tmp_path
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     monkeypatch.setattr(quant, "load", lambda *a, **k: None)
     with pytest.raises(ModelLoadError, match="kernels could not be built"):
-        tiny_engine(path, quantization="gguf")
-    assert _run(tiny_engine(path, quantization="auto")) is not None  # dequantized instead
+        cpu_engine(path, quantization="gguf")
+    assert _run(cpu_engine(path, quantization="auto")) is not None  # dequantized instead
