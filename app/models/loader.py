@@ -23,7 +23,7 @@ from app.models.quantized_model import (
 from app.models.source import ModelSource
 from app.models.torch_attention import TorchPagedAttention
 from app.models.weight_loading import expected_pieces, load_weights
-from app.models.weights import iter_weights, patch_gguf_config
+from app.models.weights import iter_weights, patch_gguf_config, reading_gguf_once
 from app.protocol.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ def read_arch(source: ModelSource) -> ArchConfig:
     return ArchConfig.from_hf(load_hf_config(source), source.name)
 
 
+@reading_gguf_once()
 def load_model(
     source: ModelSource,
     backend: AttentionBackend,

@@ -2,6 +2,8 @@
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +66,36 @@ def patch_gguf_config(hf_config: Any, source: ModelSource) -> Any:
     return patch_config(hf_config, _gguf_reader(source), source.name)
 
 
+# A load reads a GGUF file's header up to three times (config, quantized targets, weights);
+# gguf's reader takes seconds over a 49k-token vocabulary (3.8 s for SmolLM2's), so
+# within `reading_gguf_once` (a context or a decorator) each file is parsed once. Only for the load: a reader kept
+# afterwards would keep the whole file mapped into the replica.
+_readers: ContextVar[dict[Path, Any] | None] = ContextVar("gguf_readers", default=None)
+
+
+@contextmanager
+def reading_gguf_once() -> Iterator[None]:
+    token = _readers.set({})
+    try:
+        yield
+    finally:
+        _readers.reset(token)
+
+
 def _gguf_reader(source: ModelSource) -> Any:
     import gguf
 
     path = source.directory / str(source.gguf_file)
+    readers = _readers.get()
+    if readers is not None and path in readers:
+        return readers[path]
     try:
-        return gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises bare ValueErrors/struct errors on bad files
         raise ModelLoadError(source.name, f"corrupt GGUF file {path.name}: {exc}") from exc
+    if readers is not None:
+        readers[path] = reader
+    return reader
 
 
 def iter_gguf(
