@@ -25,8 +25,14 @@ def smollm2_engine():
     exact against transformers."""
     from app.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(
-        EngineConfig(dtype="float32", quantization="none", num_threads=2, kv_cache_memory_gib=0.5)
+    return LLMEngine(  # on the CPU, as its transformers reference is, also on a GPU host
+        EngineConfig(
+            device="cpu",
+            dtype="float32",
+            quantization="none",
+            num_threads=2,
+            kv_cache_memory_gib=0.5,
+        )
     )
 
 

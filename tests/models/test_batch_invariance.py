@@ -17,7 +17,7 @@ OTHERS = [list(range(200, 260)), [42, 43, 44], list(range(900, 1000))]
 
 
 def _engine(**overrides) -> LLMEngine:
-    settings = dict(dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
+    settings = dict(device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 

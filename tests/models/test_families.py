@@ -9,7 +9,7 @@ import torch
 
 from app.models.moe import SparseMoE
 from app.protocol import SamplingParams
-from tests.helpers import tiny_engine
+from tests.helpers import cpu_engine, tiny_engine
 from tests.models.family_checkpoints import FAMILIES, WINDOW, save_family_checkpoint
 
 NEW_TOKENS = 12
@@ -121,7 +121,7 @@ def test_tensor_parallel_matches_one_shard(name, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     with tp_engine(tiny_config(directory, tensor_parallel_size=2, device="cpu")) as (engine, _):
         deltas = run_all(engine, params)
-    assert_same_as(tiny_engine(directory, device="cpu"), deltas, params)
+    assert_same_as(cpu_engine(directory), deltas, params)
 
 
 def test_unsupported_features_fail_at_load_naming_them(tmp_path):
@@ -152,7 +152,7 @@ def test_bfloat16_follows_float32(name, tmp_path):
     runs = {
         dtype: [
             o.outputs[0].token_ids
-            for o in tiny_engine(directory, dtype=dtype).generate(PROMPTS, params)
+            for o in cpu_engine(directory, dtype=dtype).generate(PROMPTS, params)
         ]
         for dtype in ("float32", "bfloat16")
     }
