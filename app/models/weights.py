@@ -66,10 +66,11 @@ def patch_gguf_config(hf_config: Any, source: ModelSource) -> Any:
     return patch_config(hf_config, _gguf_reader(source), source.name)
 
 
-# A load reads a GGUF file's header up to three times (config, quantized targets, weights);
-# gguf's reader takes seconds over a 49k-token vocabulary (3.8 s for SmolLM2's), so
-# within `reading_gguf_once` (a context or a decorator) each file is parsed once. Only for the load: a reader kept
-# afterwards would keep the whole file mapped into the replica.
+# A load reads a GGUF file's header up to three times (config, quantized targets,
+# weights); gguf's reader takes seconds over a 49k-token vocabulary (3.8 s for
+# SmolLM2's), so within `reading_gguf_once` (a context or a decorator) each file is
+# parsed once. Only for the load: a reader kept afterwards would keep the whole file
+# mapped into the replica.
 _readers: ContextVar[dict[Path, Any] | None] = ContextVar("gguf_readers", default=None)
 
 
