@@ -10,6 +10,11 @@ builder takes it, so a torch lock file still present once it is held is a dead b
     module = build_extension("shoal_cpu_kernels_0123abcd", [source], ["-O3"], ["-fopenmp"])
 
 scripts/setup.sh builds the kernels once, so that replicas and tests find them compiled.
+
+An extension links the libstdc++ this process runs on by its path. Where the compiler has
+no shared libstdc++ to link (the GPU host's image has only the archive), g++ copies the
+library into the extension instead; the two copies then number locale facets apart, and
+the first error message that formats a number calls the wrong facet and crashes.
 """
 
 import fcntl
@@ -28,6 +33,17 @@ def cpu_signature() -> bytes:
             return next((line for line in f if line.startswith("flags")), "").encode()
     except OSError:
         return b""
+
+
+def running_libstdcxx() -> list[str]:
+    """The path of the libstdc++ mapped into this process (torch's), as a linker argument;
+    none where it cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = (line.split()[-1] for line in f)
+            return [next(path for path in paths if "/libstdc++.so" in path)]
+    except (OSError, StopIteration):
+        return []
 
 
 def build_directory(name: str) -> Path:
@@ -58,7 +74,7 @@ def build_extension(
             name=name,
             sources=sources,
             extra_cflags=extra_cflags,
-            extra_ldflags=extra_ldflags,
+            extra_ldflags=extra_ldflags + running_libstdcxx(),
             build_directory=str(directory),
             verbose=False,
         )

@@ -44,3 +44,15 @@ def test_every_kernel_source_is_package_data():
         assert path.exists(), path
         package = "app.models." + path.parent.name
         assert any(fnmatch.fnmatch(path.name, g) for g in globs[package]), (path, package)
+
+
+def test_the_kernels_share_the_processs_libstdcxx():
+    """Each extension names libstdc++ as a shared library rather than carrying a copy: on
+    the GPU host, whose g++ had only the archive, a copied libstdc++ crashed the first
+    error message that formatted a number (its locale facets numbered apart)."""
+    for module in (cpu_kernels.load(), quant.load()):
+        assert module is not None, "C++ kernels failed to build"
+        dynamic = subprocess.run(
+            ["readelf", "--dynamic", module.__file__], capture_output=True, text=True, check=True
+        ).stdout
+        assert "[libstdc++.so.6]" in dynamic, module.__file__
