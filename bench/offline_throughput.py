@@ -278,7 +278,7 @@ def run(model: str, args: argparse.Namespace) -> dict:
             **quant,
         )
     )
-    dtype = engine.config.torch_dtype
+    dtype = engine.runner.dtype
     vocab = engine.arch.vocab_size
     weight_bytes = model_weight_bytes(engine.runner.model)
     floor_ms = 1000 * weight_bytes / bandwidth

@@ -144,7 +144,7 @@ def main() -> None:
         result[f"ppl_{label}"] = round(ppl, 3)
         result["scored_tokens"] = scored
         print(
-            f"{label:10} ({engine.config.quantization}, {engine.config.torch_dtype}): "
+            f"{label:10} ({engine.config.quantization}, {engine.runner.dtype}): "
             f"perplexity {ppl:.3f} over {scored} tokens"
         )
         source = engine.source

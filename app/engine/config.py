@@ -17,7 +17,8 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="'auto': bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.",
+        description="'auto': bfloat16 on CUDA and on CPUs with bf16 instructions, else float32; "
+        "float32 on a CPU whose linear weights stay quantized (their kernels take float32).",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     quantization: Literal["auto", "none", "gguf", "int8"] = Field(
@@ -87,6 +88,9 @@ class EngineConfig(BaseModel):
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype asked for, 'auto' resolved by the device alone; a model whose weights
+        stay quantized may still compute in float32 (loader.compute_dtype, which sets
+        ModelRunner.dtype)."""
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         if self.torch_device.type == "cuda":

@@ -42,7 +42,7 @@ class ContextFiles:
             "layers": local.num_layers,
             "kv_heads": local.num_kv_heads,
             "head_dim": local.head_dim,
-            "dtype": str(engine.config.torch_dtype),
+            "dtype": str(runner.dtype),
             "block_size": engine.config.block_size,
             "cache_shape": list(self.block_shape),
         }

@@ -10,7 +10,7 @@ from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import AttentionBackend, BatchLayout, select_backend
 from app.models.decoder import DecoderForCausalLM
-from app.models.loader import LoadedModel, load_model
+from app.models.loader import LoadedModel, compute_dtype, load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
 
@@ -23,12 +23,12 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
     return per_token * block_size
 
 
-def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM) -> int:
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """Blocks in the cache; every shard computes the same number from the same config."""
     return config.num_kv_blocks or max(
         2,
         int(config.kv_cache_memory_gib * 2**30)
-        // kv_bytes_per_block(model, config.block_size, config.torch_dtype),
+        // kv_bytes_per_block(loaded.model, config.block_size, loaded.dtype),
     )
 
 
@@ -43,18 +43,23 @@ def load_runner(
     cache is always new."""
     if loaded is None:
         backend = select_backend(config.attention_backend, config.torch_device, config.block_size)
+        source = resolve_model(config.model)
+        device = config.torch_device
+        dtype = compute_dtype(
+            config.dtype, config.torch_dtype, config.quantization, source, device, tp
+        )
         loaded = load_model(
-            resolve_model(config.model),
+            source,
             backend,
-            config.torch_dtype,
-            config.torch_device,
+            dtype,
+            device,
             config.max_model_len,
             tp,
             config.quantization,
         )
     else:
         backend = loaded.model.model.layers[0].self_attn.backend
-    runner = ModelRunner(config, loaded.model, backend, num_kv_blocks(config, loaded.model))
+    runner = ModelRunner(config, loaded, backend, num_kv_blocks(config, loaded))
     return loaded, runner
 
 
@@ -73,16 +78,16 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        model: DecoderForCausalLM,
+        loaded: LoadedModel,
         backend: AttentionBackend,
         num_blocks: int,
     ) -> None:
-        self.model = model
+        model = self.model = loaded.model
         self.backend = backend
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.device = config.torch_device
-        self.dtype = config.torch_dtype
+        self.dtype = loaded.dtype
         arch = model.local
         shape = backend.kv_cache_shape(
             num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim

@@ -35,6 +35,7 @@ class LoadedModel:
     arch: ArchConfig
     source: ModelSource
     max_model_len: int
+    dtype: torch.dtype  # what it computes in (compute_dtype)
 
 
 def load_hf_config(source: ModelSource) -> Any:
@@ -116,7 +117,9 @@ def load_model(
         quantized_bytes(model) / 1e6,
         device,
     )
-    return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
+    return LoadedModel(
+        model=model, arch=arch, source=source, max_model_len=max_positions, dtype=dtype
+    )
 
 
 def random_model(
@@ -146,7 +149,9 @@ def random_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     _rebuild_rope(model, arch, max_positions, device)
     model = _ready(model, arch, dtype, device)
-    return LoadedModel(model=model, arch=arch, source=source, max_model_len=max_positions)
+    return LoadedModel(
+        model=model, arch=arch, source=source, max_model_len=max_positions, dtype=dtype
+    )
 
 
 def _ready(
@@ -165,6 +170,27 @@ def _ready(
     return model
 
 
+def compute_dtype(
+    requested: str,
+    default: torch.dtype,
+    quantization: str,
+    source: ModelSource,
+    device: torch.device,
+    tp: TPGroup,
+) -> torch.dtype:
+    """The dtype a model computes in (activations, norms, KV cache): `default` (the
+    config's), except that 'auto' computes quantized weights' layers on a CPU in float32.
+    Their kernels take float32 activations, and only then do the fused decode layers
+    apply: on an AVX512-BF16 CPU, where 'auto' means bfloat16, the default model decoded
+    one token in 5.0-6.0 ms with bfloat16 activations and 3.5-3.7 ms with float32."""
+    if requested != "auto" or device.type != "cpu" or tp.enabled:
+        return default
+    stays_quantized = quantization == "int8" or (
+        quantization in ("auto", "gguf") and _why_not_kept(source, device, tp) is None
+    )
+    return torch.float32 if stays_quantized else default
+
+
 def kept_quantized_types(
     quantization: str, source: ModelSource, device: torch.device, tp: TPGroup
 ) -> frozenset[int]:
@@ -175,15 +201,7 @@ def kept_quantized_types(
 
     if quantization not in ("auto", "gguf"):
         return frozenset()
-    reason = None
-    if not source.is_gguf:
-        reason = "the model is not a GGUF file"
-    elif device.type != "cpu":
-        reason = f"quantized kernels run on CPU, not {device.type}"
-    elif tp.enabled:
-        reason = "quantized weights are not split across tensor-parallel shards"
-    elif not quant.available():
-        reason = "the quantized CPU kernels could not be built"
+    reason = _why_not_kept(source, device, tp)
     if reason is None:
         return frozenset(int(t) for t in quant.QuantType)
     if quantization == "gguf":
@@ -191,6 +209,21 @@ def kept_quantized_types(
     if source.is_gguf:
         logger.info("%s: dequantizing the GGUF weights (%s)", source.name, reason)
     return frozenset()
+
+
+def _why_not_kept(source: ModelSource, device: torch.device, tp: TPGroup) -> str | None:
+    """Why a GGUF's quantized weights cannot stay as stored here; None when they can."""
+    from app.models import quant
+
+    if not source.is_gguf:
+        return "the model is not a GGUF file"
+    if device.type != "cpu":
+        return f"quantized kernels run on CPU, not {device.type}"
+    if tp.enabled:
+        return "quantized weights are not split across tensor-parallel shards"
+    if not quant.available():
+        return "the quantized CPU kernels could not be built"
+    return None
 
 
 def _tie(model: DecoderForCausalLM, arch: ArchConfig) -> None:
