@@ -19,9 +19,18 @@
 
 namespace shoal_quant {
 
+#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SHOAL_QUANT_VNNI 1
+#endif
+
 // Rows of x per pass over a group: past four, the accumulators of four rows crowd the 16
-// registers, and a second pass re-reads the group from L1 for about the same cost.
+// AVX2 registers, and a second pass re-reads the group from L1 for about the same cost.
+// AVX-512 has 32 registers, and its nibble pass keeps one accumulator per row of x.
+#ifdef SHOAL_QUANT_VNNI
+constexpr int kIntMaxT = 8;
+#else
 constexpr int kIntMaxT = 4;
+#endif
 
 // A group's kG rows (quants at q, blocks of kG rows apart) against tt rows of x, scales as
 // F::scales gives them: res[r * tt + t] = sum_b scale[b, r] d_x[t, b] sum_i q[r, i] q_x[t, i].
@@ -31,6 +40,41 @@ using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 // 256-bit vectors in the AVX-512 build too (simd.h's vf is wider there).
 
+#ifdef SHOAL_QUANT_VNNI
+// With AVX512-VNNI one 64-byte load holds the whole group's block (four rows of 16 bytes)
+// and dpbusd takes it against x's half-block repeated four times: two instructions make
+// four int32 sums of eight products per row. Each is scaled in float at once, so no
+// horizontal sum is needed until the end: lanes 4r..4r+3 of acc[t] belong to row r.
+template <int TT>
+void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
+                 float* res) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int8_t* qx = x.q.data() + t0 * x.ldq;
+  const float* dx = x.d.data() + t0 * kb;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    const __m512i v = _mm512_loadu_si512(q + b * 64);
+    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    const __m512 sw = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(scale + b * kG)));
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      // x's block in nibble order: weights 0..15 twice, then 16..31 twice (quantize_x.h)
+      const int8_t* xb = qx + t * x.ldq + b * 64;
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
+      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 32)));
+      const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), sw), _mm512_set1_ps(dx[t * kb + b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float l[16];
+    _mm512_storeu_ps(l, acc[t]);
+    for (int r = 0; r < kG; ++r) res[r * TT + t] = (l[4 * r] + l[4 * r + 1]) + (l[4 * r + 2] + l[4 * r + 3]);
+  }
+}
+#else
 // All four rows of the group; lanes of acc[t] hold rows (0, 0, 2, 2, 1, 1, 3, 3).
 template <int TT>
 void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
@@ -66,6 +110,7 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
     for (int r = 0; r < kG; ++r) res[r * TT + t] = l[2 * (r / 2) + 4 * (r % 2)] + l[2 * (r / 2) + 4 * (r % 2) + 1];
   }
 }
+#endif
 
 // All four rows of the group; lanes of acc[t] hold rows (0 1 2 3 0 1 2 3).
 template <int TT>
@@ -87,7 +132,11 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
       const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 32));
       __m256i i[kG];
       for (int r = 0; r < kG; ++r)  // int16 sums of two products: 128 * 127 * 2 fits
+#ifdef SHOAL_QUANT_VNNI
+        i[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw[r], _mm256_sign_epi8(xt, w[r]));
+#else
         i[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xt, w[r])), ones);
+#endif
       const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(i[0], i[1]), _mm256_hadd_epi32(i[2], i[3]));
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), sw), _mm256_set1_ps(dx[t * kb + b]), acc[t]);
     }
@@ -108,7 +157,12 @@ void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const 
 }
 
 template <Ints I>
-constexpr IntPassFn kIntPass[kIntMaxT] = {&int_pass<I, 1>, &int_pass<I, 2>, &int_pass<I, 3>, &int_pass<I, 4>};
+constexpr IntPassFn kIntPass[kIntMaxT] = {
+    &int_pass<I, 1>, &int_pass<I, 2>, &int_pass<I, 3>, &int_pass<I, 4>,
+#ifdef SHOAL_QUANT_VNNI
+    &int_pass<I, 5>, &int_pass<I, 6>, &int_pass<I, 7>, &int_pass<I, 8>,
+#endif
+};
 
 inline IntPassFn int_pass_fn(Ints ints, int tt) {
   return ints == Ints::kNibbles ? kIntPass<Ints::kNibbles>[tt - 1] : kIntPass<Ints::kBytes>[tt - 1];
