@@ -263,9 +263,10 @@ def bench_llama_server(
         try:
             return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
         except httpx.RemoteProtocolError as exc:
-            # Seen three times, each right after Ray's shutdown: the first request's
-            # connection closed with no response and the server's log was empty (never
-            # reproduced alone). A new server, once, and the bench says so.
+            # Seen four times, each when it ran right after Ray's shutdown (it now runs
+            # before Ray starts): a request's connection closed with no response, and
+            # the server's log said nothing of it (never reproduced alone). A new server,
+            # once, and the bench says so.
             print(f"llama-server: {exc!r}; its log:\n{server.log_tail()}\nretrying once")
     with llama_cpp.LlamaServer(binary, path, engine.threads, port, slots, 512) as server:
         return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
@@ -323,14 +324,16 @@ def main() -> None:
         return
     local = bench_in_process(config, levels, args.max_tokens)
     gc.collect()
-    served, direct = bench_serve(config, levels, args.max_tokens, args.port, args.direct_ingress)
-    peers = dict(PEERS_32)
     from app.models.source import resolve_model
 
+    # llama-server before Ray: started after Ray's shutdown, it dropped connections (see
+    # bench_llama_server).
     llama_server = llama_cpp.find("llama-server", args.llama_cpp)
     llama = None
     if llama_server and resolve_model(config.models[0].engine.model).is_gguf:
         llama = bench_llama_server(llama_server, config, levels, args.max_tokens, args.llama_port)
+    served, direct = bench_serve(config, levels, args.max_tokens, args.port, args.direct_ingress)
+    peers = dict(PEERS_32)
 
     result: dict = {"levels": {}}
     for n, _ in levels:
