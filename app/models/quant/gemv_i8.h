@@ -112,6 +112,46 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
 }
 #endif
 
+#ifdef SHOAL_QUANT_VNNI
+// A block's four rows in two 512-bit registers (rows 0|1, 2|3), against x's 32 bytes
+// twice. AVX-512 has no byte sign instruction: |w| comes from abs, and x takes w's sign
+// by a masked negation. Lanes 8r'..8r'+7 of a register's accumulator belong to its row r'.
+template <int TT>
+void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i lanes01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i lanes23 = _mm512_add_epi32(lanes01, _mm512_set1_epi32(2));
+  const int8_t* qx = x.q.data() + t0 * x.ldq;
+  const float* dx = x.d.data() + t0 * kb;
+  __m512 acc01[TT], acc23[TT];
+  for (int t = 0; t < TT; ++t) acc01[t] = acc23[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    const __m512i w01 = _mm512_loadu_si512(q + b * kG * 32), w23 = _mm512_loadu_si512(q + b * kG * 32 + 64);
+    const __m512i a01 = _mm512_abs_epi8(w01), a23 = _mm512_abs_epi8(w23);  // -128 too, as unsigned 128
+    const __mmask64 n01 = _mm512_movepi8_mask(w01), n23 = _mm512_movepi8_mask(w23);
+    const __m512 s = _mm512_castps128_ps512(_mm_loadu_ps(scale + b * kG));
+    const __m512 sw01 = _mm512_permutexvar_ps(lanes01, s), sw23 = _mm512_permutexvar_ps(lanes23, s);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      const __m512i xt = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 32)));
+      const __m512i i01 = _mm512_dpbusd_epi32(zero, a01, _mm512_mask_sub_epi8(xt, n01, zero, xt));
+      const __m512i i23 = _mm512_dpbusd_epi32(zero, a23, _mm512_mask_sub_epi8(xt, n23, zero, xt));
+      const __m512 d = _mm512_set1_ps(dx[t * kb + b]);
+      acc01[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i01), sw01), d, acc01[t]);
+      acc23[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i23), sw23), d, acc23[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float l[32];
+    _mm512_storeu_ps(l, acc01[t]);
+    _mm512_storeu_ps(l + 16, acc23[t]);
+    for (int r = 0; r < kG; ++r) {
+      const float* v = l + 8 * r;
+      res[r * TT + t] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+  }
+}
+#else
 // All four rows of the group; lanes of acc[t] hold rows (0 1 2 3 0 1 2 3).
 template <int TT>
 void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
@@ -132,11 +172,7 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
       const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * x.ldq + b * 32));
       __m256i i[kG];
       for (int r = 0; r < kG; ++r)  // int16 sums of two products: 128 * 127 * 2 fits
-#ifdef SHOAL_QUANT_VNNI
-        i[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw[r], _mm256_sign_epi8(xt, w[r]));
-#else
         i[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xt, w[r])), ones);
-#endif
       const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(i[0], i[1]), _mm256_hadd_epi32(i[2], i[3]));
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), sw), _mm256_set1_ps(dx[t * kb + b]), acc[t]);
     }
@@ -147,6 +183,8 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
     for (int r = 0; r < kG; ++r) res[r * TT + t] = l[r] + l[r + 4];
   }
 }
+
+#endif
 
 template <Ints I, int TT>
 void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
