@@ -98,11 +98,6 @@ class LlamaServer:
             "-c",
             str(slots * ctx_per_slot),
             "--no-webui",
-            # A thread per client's connection: its default (one per core here) closed
-            # the 8-client level's connections unanswered (llama.cpp of llama-cpp-python
-            # 0.3.36)
-            "--threads-http",
-            str(slots + 2),
         ]
         self.proc: subprocess.Popen | None = None
 
