@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "gemv.h"
 #include "quantize_x.h"
@@ -68,7 +69,24 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), sw), _mm512_set1_ps(dx[t * kb + b]), acc[t]);
     }
   }
-  for (int t = 0; t < TT; ++t) {
+  // Row sums in vectors, four rows of x at a time: within each 128-bit lane (a row of
+  // W), (l0 + l1) + (l2 + l3) lands in every element; then element j of lane r comes
+  // from row j of x, so each lane is res's four consecutive floats. The sums are those
+  // of the scalar loop below, in its order, so a row's result does not depend on TT.
+  int t = 0;
+  for (; t + 4 <= TT; t += 4) {
+    __m512 h[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512 a = _mm512_add_ps(acc[t + j], _mm512_permute_ps(acc[t + j], 0xB1));  // pairs
+      h[j] = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));                               // halves
+    }
+    const __m512 v = _mm512_mask_blend_ps(0xCCCC, _mm512_mask_blend_ps(0x2222, h[0], h[1]),
+                                          _mm512_mask_blend_ps(0x8888, h[2], h[3]));
+    float l[16];
+    _mm512_storeu_ps(l, v);
+    for (int r = 0; r < kG; ++r) std::memcpy(res + r * TT + t, l + 4 * r, 4 * sizeof(float));
+  }
+  for (; t < TT; ++t) {
     float l[16];
     _mm512_storeu_ps(l, acc[t]);
     for (int r = 0; r < kG; ++r) res[r * TT + t] = (l[4 * r] + l[4 * r + 1]) + (l[4 * r + 2] + l[4 * r + 3]);
