@@ -14,7 +14,8 @@ inter-token latency, and through-Serve / in-process ratios. The peers' figures a
 ones measured on this kind of machine with the same kind of client (see the issue), quoted,
 except llama.cpp's: when its `llama-server` is found (`--llama-cpp DIR` or $SHOAL_LLAMA_CPP,
 bench/llama_cpp_peer.py), it serves the same GGUF file with the same threads and one slot
-per client, and the same clients run against it in the same invocation. With
+per client, and the same clients run against it in the same invocation, before Ray
+starts (a request whose connection it closes unanswered goes again: `resent`). With
 `--direct-ingress`, Serve runs with Ray's direct ingress on and each level is measured
 through the proxy and through the Ingress replica's own HTTP port, in turns (each path's
 prompts tagged, so neither finds the other's in the prefix cache). The last line
@@ -187,8 +188,8 @@ def bench_http(
             except httpx.RemoteProtocolError:
                 # llama-server (llama-cpp-python 0.3.36's) now and then closes a
                 # kept-alive connection unanswered, even with one client; the request goes
-                # again on a new one, the lost time still counted
-                if arrivals or attempt == 2:
+                # again on a new one, the lost time still counted. Shoal's never may.
+                if arrivals or attempt == 2 or label != "llama.cpp":
                     raise
                 run.resent += 1
         record(run, sent, arrivals, tokens or len(arrivals))
@@ -276,9 +277,9 @@ def bench_llama_server(
         try:
             return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
         except httpx.RemoteProtocolError as exc:
-            # A request's connection closed with no response three times in a row (see
-            # one_request), and the server's log says nothing of it. A new server, once,
-            # and the bench says so.
+            # A connection closed with no response three times in a row for one request,
+            # or after the response began (see one_request), and the server's log says
+            # nothing of it. A new server, once, and the bench says so.
             print(f"llama-server: {exc!r}; its log:\n{server.log_tail()}\nretrying once")
     with llama_cpp.LlamaServer(binary, path, engine.threads, port, slots, 512) as server:
         return bench_http(server.url, "default", levels, max_tokens, "llama.cpp")
@@ -338,7 +339,8 @@ def main() -> None:
     gc.collect()
     from app.models.source import resolve_model
 
-    # llama-server before Ray: Ray's shutdown once seemed to upset it (bench_llama_server)
+    # llama-server before Ray: its dropped connections were first seen right after Ray's
+    # shutdown (README, Benchmarks)
     llama_server = llama_cpp.find("llama-server", args.llama_cpp)
     llama = None
     if llama_server and resolve_model(config.models[0].engine.model).is_gguf:

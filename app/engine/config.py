@@ -18,7 +18,7 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="'auto': bfloat16 on CUDA and on CPUs with bf16 instructions, else float32; "
-        "float32 on a CPU whose linear weights stay quantized (their kernels take float32).",
+        "float32 on a CPU for a model whose weights stay quantized (the fused decode layers need it).",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     quantization: Literal["auto", "none", "gguf", "int8"] = Field(
@@ -35,7 +35,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory_gib: float = Field(
         1.0,
         gt=0,
-        description="KV cache budget when num_kv_blocks is None (SmolLM2 bf16: ~45k tokens per GiB).",
+        description="KV cache budget when num_kv_blocks is None (SmolLM2: ~45k tokens per GiB in "
+        "bfloat16, ~23k in float32, the default GGUF's).",
     )
     max_num_seqs: int = Field(128, ge=1, description="Most sequences in one step's batch.")
     max_num_batched_tokens: int = Field(
@@ -88,9 +89,9 @@ class EngineConfig(BaseModel):
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype asked for, 'auto' resolved by the device alone; a model whose weights
-        stay quantized may still compute in float32 (loader.compute_dtype, which sets
-        ModelRunner.dtype)."""
+        """The dtype asked for, 'auto' resolved by the device alone; with 'auto', a model
+        whose weights stay quantized computes in float32 on a CPU (load_runner), which
+        LoadedModel.dtype and ModelRunner.dtype say."""
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         if self.torch_device.type == "cuda":

@@ -10,7 +10,7 @@ from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import AttentionBackend, BatchLayout, select_backend
 from app.models.decoder import DecoderForCausalLM
-from app.models.loader import LoadedModel, compute_dtype, load_model
+from app.models.loader import LoadedModel, load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model
 
@@ -43,19 +43,20 @@ def load_runner(
     cache is always new."""
     if loaded is None:
         backend = select_backend(config.attention_backend, config.torch_device, config.block_size)
-        source = resolve_model(config.model)
         device = config.torch_device
-        dtype = compute_dtype(
-            config.dtype, config.torch_dtype, config.quantization, source, device, tp
-        )
+        # 'auto' computes quantized weights' layers on a CPU in float32, as the fused
+        # decode layers need: on an AVX512-BF16 CPU, where 'auto' means bfloat16, the
+        # default model took 5.0-6.0 ms a token in bfloat16 and 3.5-3.7 ms in float32.
+        quantized_dtype = torch.float32 if config.dtype == "auto" and device.type == "cpu" else None
         loaded = load_model(
-            source,
+            resolve_model(config.model),
             backend,
-            dtype,
+            config.torch_dtype,
             device,
             config.max_model_len,
             tp,
             config.quantization,
+            quantized_dtype,
         )
     else:
         backend = loaded.model.model.layers[0].self_attn.backend

@@ -35,7 +35,7 @@ class LoadedModel:
     arch: ArchConfig
     source: ModelSource
     max_model_len: int
-    dtype: torch.dtype  # what it computes in (compute_dtype)
+    dtype: torch.dtype  # what it computes in: `dtype`, or `quantized_dtype` (load_model)
 
 
 def load_hf_config(source: ModelSource) -> Any:
@@ -63,11 +63,13 @@ def load_model(
     max_model_len: int | None = None,
     tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
     quantization: str = "none",
+    quantized_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """Load weights into our model. `max_model_len` (None: the model's own) sizes the
     RoPE tables and is capped at the model's context length. `quantization` (see
     EngineConfig): "none" computes in `dtype` throughout; "auto"/"gguf" keep a GGUF's
-    quantized weights as stored; "int8" quantizes every linear layer at load."""
+    quantized weights as stored; "int8" quantizes every linear layer at load. A model
+    with quantized weights computes in `quantized_dtype` where one is given."""
     arch = read_arch(source)
     if tp.enabled:
         try:
@@ -78,9 +80,13 @@ def load_model(
     with torch.device("meta"):
         model = DecoderForCausalLM(arch, backend, max_positions, tp)
     keep = kept_quantized_types(quantization, source, device, tp)
+    targets: set[str] = set()
     if keep:
         tied = arch.tie_word_embeddings
-        install(model, quantized_targets(iter_weights(source, arch, keep), model, tied), tied)
+        targets = quantized_targets(iter_weights(source, arch, keep), model, tied)
+        install(model, targets, tied)
+    if quantized_dtype is not None and (targets or quantization == "int8"):
+        dtype = quantized_dtype
     # Materialise on the target device without initialising (weights come next);
     # the RoPE tables are buffers computed at construction, so rebuild them for real.
     model = model.to_empty(device=device)
@@ -170,27 +176,6 @@ def _ready(
     return model
 
 
-def compute_dtype(
-    requested: str,
-    default: torch.dtype,
-    quantization: str,
-    source: ModelSource,
-    device: torch.device,
-    tp: TPGroup,
-) -> torch.dtype:
-    """The dtype a model computes in (activations, norms, KV cache): `default` (the
-    config's), except that 'auto' computes quantized weights' layers on a CPU in float32.
-    Their kernels take float32 activations, and only then do the fused decode layers
-    apply: on an AVX512-BF16 CPU, where 'auto' means bfloat16, the default model decoded
-    one token in 5.0-6.0 ms with bfloat16 activations and 3.5-3.7 ms with float32."""
-    if requested != "auto" or device.type != "cpu" or tp.enabled:
-        return default
-    stays_quantized = quantization == "int8" or (
-        quantization in ("auto", "gguf") and _why_not_kept(source, device, tp) is None
-    )
-    return torch.float32 if stays_quantized else default
-
-
 def kept_quantized_types(
     quantization: str, source: ModelSource, device: torch.device, tp: TPGroup
 ) -> frozenset[int]:
@@ -201,7 +186,15 @@ def kept_quantized_types(
 
     if quantization not in ("auto", "gguf"):
         return frozenset()
-    reason = _why_not_kept(source, device, tp)
+    reason = None
+    if not source.is_gguf:
+        reason = "the model is not a GGUF file"
+    elif device.type != "cpu":
+        reason = f"quantized kernels run on CPU, not {device.type}"
+    elif tp.enabled:
+        reason = "quantized weights are not split across tensor-parallel shards"
+    elif not quant.available():
+        reason = "the quantized CPU kernels could not be built"
     if reason is None:
         return frozenset(int(t) for t in quant.QuantType)
     if quantization == "gguf":
@@ -209,21 +202,6 @@ def kept_quantized_types(
     if source.is_gguf:
         logger.info("%s: dequantizing the GGUF weights (%s)", source.name, reason)
     return frozenset()
-
-
-def _why_not_kept(source: ModelSource, device: torch.device, tp: TPGroup) -> str | None:
-    """Why a GGUF's quantized weights cannot stay as stored here; None when they can."""
-    from app.models import quant
-
-    if not source.is_gguf:
-        return "the model is not a GGUF file"
-    if device.type != "cpu":
-        return f"quantized kernels run on CPU, not {device.type}"
-    if tp.enabled:
-        return "quantized weights are not split across tensor-parallel shards"
-    if not quant.available():
-        return "the quantized CPU kernels could not be built"
-    return None
 
 
 def _tie(model: DecoderForCausalLM, arch: ArchConfig) -> None:

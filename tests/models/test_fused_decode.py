@@ -150,7 +150,8 @@ def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
 def test_auto_dtype_keeps_a_bf16_cpu_on_the_fused_path(tmp_path: Path, monkeypatch):
     """On a CPU with bfloat16 instructions 'auto' means bfloat16, but quantized weights
     compute in float32: the fused layers need it (bfloat16 activations there took the
-    Python path, 1.6x slower per token). Float weights still get bfloat16."""
+    Python path, 1.6x slower per token). Float weights still get bfloat16, from a GGUF
+    file too."""
     monkeypatch.setattr(engine_config, "cpu_has_bf16", lambda: True)
     directory = save_family_checkpoint(tmp_path, "phi3")
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
@@ -161,3 +162,5 @@ def test_auto_dtype_keeps_a_bf16_cpu_on_the_fused_path(tmp_path: Path, monkeypat
     assert cpu_engine(path, dtype="auto", quantization="int8").runner.dtype == torch.float32
     assert cpu_engine(path, dtype="auto", quantization="none").runner.dtype == torch.bfloat16
     assert cpu_engine(directory, dtype="auto").runner.dtype == torch.bfloat16
+    floats = write_gguf(directory, directory / "f32.gguf")
+    assert cpu_engine(floats, dtype="auto").runner.dtype == torch.bfloat16

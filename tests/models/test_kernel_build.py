@@ -49,7 +49,8 @@ def test_every_kernel_source_is_package_data():
 def test_the_kernels_share_the_processs_libstdcxx():
     """Each extension names libstdc++ as a shared library rather than carrying a copy: on
     the GPU host, whose g++ had only the archive, a copied libstdc++ crashed the first
-    error message that formatted a number (its locale facets numbered apart)."""
+    error message that formatted a number (its locale facets numbered apart). Only a host
+    like that one can fail it."""
     for module in (cpu_kernels.load(), quant.load()):
         assert module is not None, "C++ kernels failed to build"
         dynamic = subprocess.run(

@@ -9,7 +9,9 @@
 // group interleaves rows by 16 bytes), so a register carries a pair of rows; x comes with
 // each half of a block doubled to match (quantize_x.h). Bytes (Q8_0): llama.cpp's sign
 // trick, |w| (unsigned) times x with w's sign. Either way hadd folds the int32 products of
-// a group's four rows into one vector, so one convert and one FMA serve all four.
+// a group's four rows into one vector, so one convert and one FMA serve all four. With
+// AVX512-VNNI (below) dpbusd makes the int32 sums, a 512-bit register holds partial sums
+// of several rows, and each is scaled in float; lanes are summed per row at the end.
 #pragma once
 
 #include <cstdint>
@@ -20,18 +22,20 @@
 
 namespace shoal_quant {
 
-#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SHOAL_QUANT_VNNI 1
 #endif
 
 // Rows of x per pass over a group: past four, the accumulators of four rows crowd the 16
 // AVX2 registers, and a second pass re-reads the group from L1 for about the same cost.
-// AVX-512 has 32 registers, and its nibble pass keeps one accumulator per row of x.
+// AVX-512 has 32 registers: its passes keep one accumulator (nibbles) or two (bytes) per
+// row of x.
 #ifdef SHOAL_QUANT_VNNI
 constexpr int kIntMaxT = 8;
 #else
 constexpr int kIntMaxT = 4;
 #endif
+static_assert(kIntMaxT <= kMaxT, "for_each_group's res holds kMaxT rows of x");
 
 // A group's kG rows (quants at q, blocks of kG rows apart) against tt rows of x, scales as
 // F::scales gives them: res[r * tt + t] = sum_b scale[b, r] d_x[t, b] sum_i q[r, i] q_x[t, i].
@@ -39,7 +43,7 @@ using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64
                            float* res);
 
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
-// 256-bit vectors in the AVX-512 build too (simd.h's vf is wider there).
+// 256-bit vectors in an AVX-512 build without VNNI too (simd.h's vf is wider there).
 
 #ifdef SHOAL_QUANT_VNNI
 // With AVX512-VNNI one 64-byte load holds the whole group's block (four rows of 16 bytes)

@@ -25,7 +25,8 @@ struct QuantizedX {
 
 // One block: q[0..31] = round(x * id) and its sum; returns d. nibbles: the 4-bit kernels
 // want each half of the block twice, [q0..15, q0..15, q16..31, q16..31], so one 32-byte
-// load meets the low nibbles of two rows (weights 0..15 of each) and the next the high.
+// load meets the low nibbles of two rows (weights 0..15 of each) and the next the high
+// (AVX512-VNNI broadcasts one copy of each half to four rows).
 inline float quantize_block(const float* x, int8_t* q, bool nibbles, int32_t* sum) {
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
   __m256 v[4];
