@@ -40,8 +40,8 @@ def running_libstdcxx() -> list[str]:
     none where it cannot be read."""
     try:
         with open("/proc/self/maps") as f:
-            fields = (line.rstrip("\n").split(maxsplit=5) for line in f)
-            paths = (f[5] for f in fields if len(f) == 6)  # the path may hold spaces
+            rows = (line.rstrip("\n").split(maxsplit=5) for line in f)
+            paths = (row[5] for row in rows if len(row) == 6)  # the path may hold spaces
             return [next(path for path in paths if "/libstdc++.so" in path)]
     except (OSError, StopIteration):
         return []
