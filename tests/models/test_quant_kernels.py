@@ -141,6 +141,20 @@ def test_int8_gemv_is_exact_on_rounded_x(kernels, qtype, t):
         check(out, rounded_x(x), w)
 
 
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
+def test_int8_gemv_of_long_rows(kernels, qtype):
+    """Rows of 32 blocks and more add the Q4 offsets after the pass, not inside it
+    (gemv_i8.h): both ways are exact."""
+    n, k = 64, 1536
+    raw, w = weights(qtype, n, k)
+    packed = pack(raw, qtype)
+    for t in (1, 4, 8, 13):
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)) * 3
+        out = torch.empty(t, n)
+        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, 1, 0, INT8)
+        check(out, rounded_x(x), w)
+
+
 def test_int8_activations_are_a_choice(kernels):
     # auto: int8 where the type has an integer kernel; float where it has none (Q6_K)
     n, k = SHAPE

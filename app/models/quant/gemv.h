@@ -96,12 +96,13 @@ inline void add_offsets(const float* off, const float* sxe, int64_t n, int64_t t
 }
 
 // The GEMV's frame, whatever the activations: threads split the row groups; per group its
-// scales, then x's rows max_t (<= kMaxT) at a time: pass(g, t0, tt, scale, res) fills res[r * tt + t]
-// for the group's kG rows without offset terms, which come from sxe ((T, kb * kG), per-block
-// sums of x as add_offsets reads them); then the rows go to out ((T, N), rows ldo apart).
+// scales, then x's rows max_t (<= kMaxT) at a time: pass(g, t0, tt, scale, off, res) fills
+// res[r * tt + t] for the group's kG rows without offset terms (unless offsets_in_pass),
+// which come from sxe ((T, kb * kG), per-block sums of x as add_offsets reads them); then
+// the rows go to out ((T, N), rows ldo apart).
 template <class F, class O, class Pass>
 void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sxe, O* out, int64_t ldo,
-                    const Pass& pass, int max_t = kMaxT) {
+                    const Pass& pass, int max_t = kMaxT, bool offsets_in_pass = false) {
   const int64_t kb = K / 32, groups = (N + kG - 1) / kG;
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG));
@@ -114,8 +115,9 @@ void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sx
       // Past max_t rows of x, each pass over the group reads it from L1, not memory.
       for (int64_t t0 = 0; t0 < T; t0 += max_t) {
         const int tt = int(std::min<int64_t>(max_t, T - t0));
-        pass(g, t0, tt, scale.data(), res);
-        if constexpr (F::kOffset) add_offsets(off.data(), sxe + t0 * kb * kG, kb * kG, tt, res);
+        pass(g, t0, tt, scale.data(), off.data(), res);
+        if constexpr (F::kOffset)
+          if (!offsets_in_pass) add_offsets(off.data(), sxe + t0 * kb * kG, kb * kG, tt, res);
         for (int r = 0; r < rows; ++r)
           for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + g * kG + r] = static_cast<O>(res[r * tt + t]);
       }
@@ -134,7 +136,7 @@ void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, i
     const float sum = vsum(s);
     for (int r = 0; r < kG; ++r) sxe[i * kG + r] = sum;
   }
-  for_each_group(f, N, K, T, sxe.data(), out, ldo, [&](int64_t g, int64_t t0, int tt, const float* scale, float* res) {
+  for_each_group(f, N, K, T, sxe.data(), out, ldo, [&](int64_t g, int64_t t0, int tt, const float* scale, const float*, float* res) {
     for (int r0 = 0; r0 < kG; r0 += group_rows(tt))  // padded rows are zeros: safe to read
       kRowsFn<F>[tt - 1](f, g, r0, kb, x + t0 * K, K, scale, res + r0 * tt);
   });

@@ -39,8 +39,10 @@ static_assert(kIntMaxT <= kMaxT, "for_each_group's res holds kMaxT rows of x");
 
 // A group's kG rows (quants at q, blocks of kG rows apart) against tt rows of x, scales as
 // F::scales gives them: res[r * tt + t] = sum_b scale[b, r] d_x[t, b] sum_i q[r, i] q_x[t, i].
+// With off (the VNNI nibble pass of a format with offsets), the Q4 offset terms too:
+// res[r * tt + t] += sum_b off[b * kG + r] sum_x[t, b].
 using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
-                           float* res);
+                           const float* off, float* res);
 
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 // 256-bit vectors in an AVX-512 build without VNNI too (simd.h's vf is wider there).
@@ -49,20 +51,25 @@ using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64
 // With AVX512-VNNI one 64-byte load holds the whole group's block (four rows of 16 bytes)
 // and dpbusd takes it against x's half-block repeated four times: two instructions make
 // four int32 sums of eight products per row. Each is scaled in float at once, so no
-// horizontal sum is needed until the end: lanes 4r..4r+3 of acc[t] belong to row r.
-template <int TT>
+// horizontal sum is needed until the end: lanes 4r..4r+3 of acc[t] belong to row r. A Q4
+// offset term (off) joins lane 4r of its block: one FMA where add_offsets took a pass.
+template <int TT, bool kOff>
 void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale,
-                 float* res) {
+                 const float* off, float* res) {
   const __m512i m4 = _mm512_set1_epi8(15);
   const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int8_t* qx = x.q.data() + t0 * x.ldq;
   const float* dx = x.d.data() + t0 * kb;
+  const int64_t n = kb * kG;
+  const float* sx = kOff ? x.sxe.data() + t0 * n : nullptr;  // (t, block, row): each sum kG times
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
     const __m512i v = _mm512_loadu_si512(q + b * 64);
     const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     const __m512 sw = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(scale + b * kG)));
+    __m512 ow = _mm512_setzero_ps();  // off[b, r] in lane 4r, zeros elsewhere
+    if constexpr (kOff) ow = _mm512_maskz_permutexvar_ps(0x1111, lanes, _mm512_castps128_ps512(_mm_loadu_ps(off + b * kG)));
 #pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) {
       // x's block in nibble order: weights 0..15 twice, then 16..31 twice (quantize_x.h)
@@ -71,6 +78,7 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
       const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 32)));
       const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), sw), _mm512_set1_ps(dx[t * kb + b]), acc[t]);
+      if constexpr (kOff) acc[t] = _mm512_fmadd_ps(ow, _mm512_set1_ps(sx[t * n + b * kG]), acc[t]);
     }
   }
   // Row sums in vectors, four rows of x at a time: within each 128-bit lane (a row of
@@ -208,24 +216,40 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
 
 #endif
 
-template <Ints I, int TT>
-void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, float* res) {
-  if constexpr (I == Ints::kNibbles)
+template <Ints I, int TT, bool kOff>
+void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, const float* off,
+              float* res) {
+#ifdef SHOAL_QUANT_VNNI
+  if constexpr (I == Ints::kNibbles) {
+    nibble_rows<TT, kOff>(static_cast<const uint8_t*>(q), kb, x, t0, scale, off, res);
+    return;
+  }
+#else
+  if constexpr (I == Ints::kNibbles) {
     nibble_rows<TT>(static_cast<const uint8_t*>(q), kb, x, t0, scale, res);
-  else
-    byte_rows<TT>(static_cast<const int8_t*>(q), kb, x, t0, scale, res);
+    return;
+  }
+#endif
+  byte_rows<TT>(static_cast<const int8_t*>(q), kb, x, t0, scale, res);
 }
 
-template <Ints I>
-constexpr IntPassFn kIntPass[kIntMaxT] = {
-    &int_pass<I, 1>, &int_pass<I, 2>, &int_pass<I, 3>, &int_pass<I, 4>,
 #ifdef SHOAL_QUANT_VNNI
-    &int_pass<I, 5>, &int_pass<I, 6>, &int_pass<I, 7>, &int_pass<I, 8>,
+constexpr bool kIntOffsets = true;  // the nibble pass adds the Q4 offsets itself
+#else
+constexpr bool kIntOffsets = false;
+#endif
+
+template <Ints I, bool kOff>
+constexpr IntPassFn kIntPass[kIntMaxT] = {
+    &int_pass<I, 1, kOff>, &int_pass<I, 2, kOff>, &int_pass<I, 3, kOff>, &int_pass<I, 4, kOff>,
+#ifdef SHOAL_QUANT_VNNI
+    &int_pass<I, 5, kOff>, &int_pass<I, 6, kOff>, &int_pass<I, 7, kOff>, &int_pass<I, 8, kOff>,
 #endif
 };
 
-inline IntPassFn int_pass_fn(Ints ints, int tt) {
-  return ints == Ints::kNibbles ? kIntPass<Ints::kNibbles>[tt - 1] : kIntPass<Ints::kBytes>[tt - 1];
+template <Ints I, bool kOff>
+inline IntPassFn int_pass_fn(int tt) {
+  return kIntPass<I, kOff>[tt - 1];
 }
 
 #else
@@ -260,16 +284,25 @@ void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out
   const QuantizedX qx = quantize_x(x, T, K, nibbles, F::kOffset);
   const int64_t kb = K / 32, group_bytes = kb * kG * (nibbles ? 16 : 32);
   const auto* base = reinterpret_cast<const uint8_t*>(f.qs);
+#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+  // The offsets in the pass took 512-row Q4_1 products with K = 576 from 177-189 to
+  // 240-259 GMAC/s, and with K = 1536 from 275 to 255: a long row pays add_offsets'
+  // fixed cost per row of x once over many blocks.
+  const bool offsets_in_pass = kIntOffsets && nibbles && F::kOffset && kb < 32;
+#else
+  const bool offsets_in_pass = false;
+#endif
   for_each_group(f, N, K, T, qx.sxe.data(), out, ldo,
-                 [&](int64_t g, int64_t t0, int tt, const float* scale, float* res) {
+                 [&](int64_t g, int64_t t0, int tt, const float* scale, const float* off, float* res) {
                    const void* q = base + g * group_bytes;
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
-                   int_pass_fn(F::kInts, tt)(q, kb, qx, t0, scale, res);
+                   const IntPassFn pass = offsets_in_pass ? int_pass_fn<F::kInts, true>(tt) : int_pass_fn<F::kInts, false>(tt);
+                   pass(q, kb, qx, t0, scale, off, res);
 #else
                    int_pass_plain(F::kInts, tt, q, kb, qx, t0, scale, res);
 #endif
                  },
-                 kIntMaxT);
+                 kIntMaxT, offsets_in_pass);
 }
 
 }  // namespace shoal_quant
