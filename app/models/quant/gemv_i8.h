@@ -219,18 +219,16 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
 template <Ints I, int TT, bool kOff>
 void int_pass(const void* q, int64_t kb, const QuantizedX& x, int64_t t0, const float* scale, const float* off,
               float* res) {
+  if constexpr (I == Ints::kNibbles) {
 #ifdef SHOAL_QUANT_VNNI
-  if constexpr (I == Ints::kNibbles) {
     nibble_rows<TT, kOff>(static_cast<const uint8_t*>(q), kb, x, t0, scale, off, res);
-    return;
-  }
 #else
-  if constexpr (I == Ints::kNibbles) {
+    // never chosen with kOff (kIntOffsets is false here): add_offsets follows the pass
     nibble_rows<TT>(static_cast<const uint8_t*>(q), kb, x, t0, scale, res);
-    return;
-  }
 #endif
-  byte_rows<TT>(static_cast<const int8_t*>(q), kb, x, t0, scale, res);
+  } else {
+    byte_rows<TT>(static_cast<const int8_t*>(q), kb, x, t0, scale, res);
+  }
 }
 
 #ifdef SHOAL_QUANT_VNNI
@@ -286,7 +284,7 @@ void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out
   const auto* base = reinterpret_cast<const uint8_t*>(f.qs);
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
   // The offsets in the pass took 512-row Q4_1 products with K = 576 from 177-189 to
-  // 240-259 GMAC/s, and with K = 1536 from 275 to 255: a long row pays add_offsets'
+  // 238-259 GMAC/s, and with K = 1536 from 273-275 to 255: a long row pays add_offsets'
   // fixed cost per row of x once over many blocks.
   const bool offsets_in_pass = kIntOffsets && nibbles && F::kOffset && kb < 32;
 #else
