@@ -34,6 +34,19 @@ def kernels():
     return module
 
 
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def built(request, kernels):
+    """The tests of the integer GEMV run on the native build and, on an AVX-512 CPU, on
+    the AVX2 build too: its code is compiled nowhere else there (quant/__init__.py)."""
+    if request.param == "native":
+        return kernels
+    if kernels.isa() != "avx512":
+        pytest.skip("without AVX-512 the native build is the AVX2 one, or there is none")
+    module = quant.load("avx2")
+    assert module is not None and module.isa() == "avx2"
+    return module
+
+
 @functools.cache
 def weights(qtype: QuantType, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw GGUF rows, their float32 dequantisation). Row 0 is all zeros (zero scales)."""
@@ -116,20 +129,20 @@ def test_matmul_into_a_column_slice(kernels, qtype, t, dtype):
 
 @pytest.mark.parametrize("mode", [1, 2], ids=["gemv", "tiles"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_both_regimes_at_any_t(kernels, qtype, mode):
+def test_both_regimes_at_any_t(built, qtype, mode):
     n, k = 1536, 512
     raw, w = weights(qtype, n, k)
     packed = pack(raw, qtype)
     for t in (1, 9, 33):
         x = torch.randn(t, k)
         out = torch.empty(t, n)
-        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 48, FLOAT)
+        built.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, mode, 48, FLOAT)
         check(out, x, w)
 
 
 @pytest.mark.parametrize("t", range(1, 17))
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
-def test_int8_gemv_is_exact_on_rounded_x(kernels, qtype, t):
+def test_int8_gemv_is_exact_on_rounded_x(built, qtype, t):
     n, k = SHAPE
     raw, w = weights(qtype, n, k)
     packed = pack(raw, qtype)
@@ -137,12 +150,12 @@ def test_int8_gemv_is_exact_on_rounded_x(kernels, qtype, t):
     x[:, 32:64] = 0  # a block of zeros: d = 0
     for dtype in (torch.float32, torch.bfloat16) if t in (1, 5) else (torch.float32,):
         out = torch.empty(t, n, dtype=dtype)
-        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, 1, 0, INT8)
+        built.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, 1, 0, INT8)
         check(out, rounded_x(x), w)
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
-def test_int8_gemv_of_long_rows(kernels, qtype):
+def test_int8_gemv_of_long_rows(built, qtype):
     """Rows of 32 blocks and more add the Q4 offsets after the pass, not inside it
     (gemv_i8.h): both ways are exact."""
     n, k = 64, 1536
@@ -151,11 +164,11 @@ def test_int8_gemv_of_long_rows(kernels, qtype):
     for t in (1, 4, 8, 13):
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)) * 3
         out = torch.empty(t, n)
-        kernels.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, 1, 0, INT8)
+        built.quant_matmul(x, int(qtype), list(packed.parts), n, k, out, 1, 0, INT8)
         check(out, rounded_x(x), w)
 
 
-def test_int8_activations_are_a_choice(kernels):
+def test_int8_activations_are_a_choice(built):
     # auto: int8 where the type has an integer kernel; float where it has none (Q6_K)
     n, k = SHAPE
     x = torch.randn(2, k)
@@ -163,16 +176,16 @@ def test_int8_activations_are_a_choice(kernels):
         raw, w = weights(qtype, n, k)
         parts = list(pack(raw, qtype).parts)
         out = torch.empty(2, n)
-        kernels.quant_matmul(x, int(qtype), parts, n, k, out, 1, 0, 0)
+        built.quant_matmul(x, int(qtype), parts, n, k, out, 1, 0, 0)
         check(out, rounded_x(x) if auto_rounds else x, w)
-        kernels.quant_matmul(x, int(qtype), parts, n, k, out, 1, 0, FLOAT)
+        built.quant_matmul(x, int(qtype), parts, n, k, out, 1, 0, FLOAT)
         check(out, x, w)
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):
-        kernels.quant_matmul(x, int(QuantType.Q6_K), parts, n, k, out, 1, 0, INT8)
+        built.quant_matmul(x, int(QuantType.Q6_K), parts, n, k, out, 1, 0, INT8)
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
-def test_tiles_round_x_as_the_int8_gemv_does(kernels, qtype):
+def test_tiles_round_x_as_the_int8_gemv_does(built, qtype):
     # a row's result must not depend on the path its step's size picks: a prefix-cache hit
     # or a short prefill chunk takes the GEMV, a long prompt the tiles
     n, k = SHAPE
@@ -180,8 +193,8 @@ def test_tiles_round_x_as_the_int8_gemv_does(kernels, qtype):
     parts = list(pack(raw, qtype).parts)
     x = torch.randn(5, k) * 3
     gemv, tiles = torch.empty(5, n), torch.empty(5, n)
-    kernels.quant_matmul(x, int(qtype), parts, n, k, gemv, 1, 0, 0)
-    kernels.quant_matmul(x, int(qtype), parts, n, k, tiles, 2, 0, 0)
+    built.quant_matmul(x, int(qtype), parts, n, k, gemv, 1, 0, 0)
+    built.quant_matmul(x, int(qtype), parts, n, k, tiles, 2, 0, 0)
     assert torch.allclose(gemv, tiles, rtol=1e-5, atol=1e-4 * float(gemv.abs().max()))
 
 
@@ -220,7 +233,7 @@ def test_row_slices_are_weights_of_their_own(kernels, qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_portable_build_matches(qtype):
-    portable = quant.load(portable=True)
+    portable = quant.load("portable")
     assert portable is not None and portable.isa() == "portable"
     n, k = SHAPE
     raw, w = weights(qtype, n, k)
@@ -255,7 +268,7 @@ def test_embedding_is_exact(kernels, qtype):
 
 @pytest.mark.parametrize("qtype", [QuantType.Q4_1, QuantType.Q6_K], ids=lambda q: q.name)
 def test_fallback_without_kernels(monkeypatch, qtype):
-    monkeypatch.setattr(quant, "load", lambda portable=False: None)
+    monkeypatch.setattr(quant, "load", lambda build="native": None)
     n, k = SHAPE
     raw, w = weights(qtype, n, k)
     packed = pack(raw, qtype)
@@ -280,7 +293,7 @@ def test_bad_shapes_are_errors(kernels):
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
-def test_int8_rows_are_the_same_bits_at_any_row_count(kernels, qtype):
+def test_int8_rows_are_the_same_bits_at_any_row_count(built, qtype):
     """Batch invariance (quant/__init__.py): a row's product does not depend on how many
     rows share the call, across passes of 1-8 rows (AVX512-VNNI sums four rows of x in
     vectors and the rest alone) and chunks of 64."""
@@ -291,7 +304,7 @@ def test_int8_rows_are_the_same_bits_at_any_row_count(kernels, qtype):
 
     def product(rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
-        kernels.quant_matmul(rows, qt, parts, n, k, out, 0, 0, INT8)
+        built.quant_matmul(rows, qt, parts, n, k, out, 0, 0, INT8)
         return out
 
     together = product(x)

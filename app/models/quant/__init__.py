@@ -30,6 +30,7 @@ import os
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -54,7 +55,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
-_modules: dict[bool, ModuleType | None] = {}
+_modules: dict[str, ModuleType | None] = {}
 # Read per call by matmul: tests (and a caller wanting exact products) may set it.
 float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "int8") == "float"
 _SOURCES = (
@@ -73,37 +74,45 @@ _SOURCES = (
 )
 
 
-def _build_signature(portable: bool) -> str:
+# The builds: "native" (the CPU's own, what serving uses); "avx2", what a CPU without
+# AVX-512 builds, compiled on an AVX-512 CPU only by tests, since there the AVX2 code
+# (its int8 GEMV above all) is otherwise never compiled; "portable", plain loops 16 floats
+# wide like AVX-512's, so that tests check the generic code at the other vector width.
+Build = Literal["native", "avx2", "portable"]
+_BUILD_FLAGS: dict[str, list[str]] = {
+    "native": [],
+    "avx2": ["-mno-avx512f"],  # and with it every AVX-512 extension (VNNI, BW, BF16)
+    "portable": ["-DSHOAL_QUANT_PORTABLE", "-DSHOAL_QUANT_PORTABLE_WIDTH=16"],
+}
+
+
+def _build_signature(build: Build) -> str:
     """CPU flags and sources in one hash: -march=native builds are valid only on CPUs with
     the same features, and an edited source must not find an older build of itself."""
-    digest = hashlib.sha1(cpu_signature() + str(portable).encode())
+    digest = hashlib.sha1(cpu_signature() + " ".join(_BUILD_FLAGS[build]).encode())
     for name in _SOURCES:
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:10]
 
 
-def load(portable: bool = False) -> ModuleType | None:
-    """The compiled kernels, or None. portable=True builds the plain-loop variant (no
-    intrinsics, 16-float vectors like AVX-512's), which tests use to check the generic
-    code at the other vector width on any CPU."""
+def load(build: Build = "native") -> ModuleType | None:
+    """The compiled kernels (one of the builds above), or None."""
     with _lock:
-        if portable in _modules:
-            return _modules[portable]
+        if build in _modules:
+            return _modules[build]
         module = None
         if os.environ.get("SHOAL_QUANT_KERNELS", "1") != "0":
-            module = _build(portable)
-        _modules[portable] = module
+            module = _build(build)
+        _modules[build] = module
         return module
 
 
-def _build(portable: bool) -> ModuleType | None:
+def _build(build: Build) -> ModuleType | None:
     try:
-        variant = "portable" if portable else "native"
         return build_extension(
-            f"shoal_quant_kernels_{variant}_{_build_signature(portable)}",
+            f"shoal_quant_kernels_{build}_{_build_signature(build)}",
             [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "decode_layer.cpp")],
-            ["-O3", "-march=native", "-fopenmp"]
-            + (["-DSHOAL_QUANT_PORTABLE", "-DSHOAL_QUANT_PORTABLE_WIDTH=16"] if portable else []),
+            ["-O3", "-march=native", "-fopenmp", *_BUILD_FLAGS[build]],
             ["-fopenmp"],
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works
