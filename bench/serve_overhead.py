@@ -309,6 +309,9 @@ def main() -> None:
     parser.add_argument(
         "--stream-messages-per-s", type=float, default=None, help="replica's message budget"
     )
+    parser.add_argument(
+        "--stream-message-interval-s", type=float, default=None, help="a stream's shortest gap"
+    )
     parser.add_argument("--quantization", default=None, help="EngineConfig.quantization")
     parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
     parser.add_argument("--llama-port", type=int, default=None, help="default: a free one")
@@ -326,6 +329,8 @@ def main() -> None:
     model: dict = {}
     if args.stream_messages_per_s is not None:
         model["stream_messages_per_s"] = args.stream_messages_per_s
+    if args.stream_message_interval_s is not None:
+        model["stream_message_interval_s"] = args.stream_message_interval_s
     if args.quantization:
         model["engine"] = {"quantization": args.quantization}
     if model:

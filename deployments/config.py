@@ -121,6 +121,12 @@ class ModelDeploymentConfig(BaseModel):
         description="Stream messages a replica sends per second, shared by its open streams "
         "(tokens in between are merged; first and last tokens go at once). 0: one per token.",
     )
+    stream_message_interval_s: float = Field(
+        0.02,
+        ge=0,
+        description="Shortest gap between two messages of one stream, however few are open "
+        "(unless stream_messages_per_s is 0).",
+    )
 
     @field_validator("chat_template")
     @classmethod

@@ -65,7 +65,7 @@ class ModelServer:
                 self.shards.stop()
                 raise
         self.engine: EngineClient = engine
-        self.pacer = StreamPacer(config.stream_messages_per_s)
+        self.pacer = StreamPacer(config.stream_messages_per_s, config.stream_message_interval_s)
         self._stopping = threading.Event()
         if registry is not None:
             threading.Thread(

@@ -63,3 +63,13 @@ def test_outputs_of_n_are_merged_separately():
 def test_zero_budget_means_one_message_per_token():
     items = [delta(i) for i in range(4)]
     assert paced(StreamPacer(messages_per_s=0), items, gap_s=0) == items
+
+
+def test_a_lone_stream_is_merged_below_the_shortest_gap():
+    items = [delta(i) for i in range(30)] + [delta(30, finish=FinishReason.LENGTH)]
+    pacer = StreamPacer(messages_per_s=1000.0, min_interval_s=0.02)  # 1 ms of budget, 20 ms gap
+    out = paced(pacer, items)  # a token every 2 ms: ~60 ms in all
+    assert [t for d in out for t in d.token_ids] == list(range(31))
+    assert out[0].token_ids == (0,) and out[-1].finish_reason == FinishReason.LENGTH
+    assert 2 <= len(out) < len(items) // 2  # first, a few 20 ms merges, last
+    assert paced(StreamPacer(messages_per_s=0, min_interval_s=0.02), items, gap_s=0) == items
