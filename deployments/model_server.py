@@ -107,7 +107,8 @@ class ModelServer:
         self, request: EngineRequest
     ) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
         """Yields the first delta as soon as the engine produces it; later ones are paced
-        by the replica's message budget (see StreamPacer). A failure is the last item."""
+        by the replica's message budget and a stream's shortest gap (see StreamPacer). A
+        failure is the last item."""
         logger.info(
             "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )

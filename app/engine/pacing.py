@@ -5,10 +5,11 @@ millisecond of CPU across the processes on its way, whatever it carries. At 32 s
 on a 2-core machine, one message per token takes a third of the CPU away from the model.
 So a replica shares a budget of messages per second among its open streams: each stream
 flushes at most once per `open streams / budget` seconds and merges the tokens in
-between, and never more often than once per `min_interval_s` (20 ms by default: a lone
-stream of 3 ms tokens sent 100 messages a second, and its Serve hops then took enough CPU
-from the engine to slow the stream itself by 10-25%). The first token and the last one
-always go out at once.
+between, and never more often than once per `min_interval_s` (the replica's
+`stream_message_interval_s`, 20 ms by default: a lone stream of 3 ms tokens sent 100
+messages a second, and its Serve hops then took enough CPU from the engine to slow the
+stream itself by about a quarter). The first token and the last one always go out at
+once; tokens merged before a failure go out before it.
 """
 
 import time
@@ -52,14 +53,19 @@ class StreamPacer:
         try:
             pending: dict[int, TokenDelta] = {}  # by output index
             last_flush = float("-inf")
-            async for delta in deltas:
-                pending[delta.index] = merge(pending.get(delta.index), delta)
-                now = time.monotonic()
-                if delta.finish_reason is not None or now - last_flush >= self.interval_s:
-                    for merged in pending.values():
-                        yield merged
-                    pending.clear()
-                    last_flush = now
+            try:
+                async for delta in deltas:
+                    pending[delta.index] = merge(pending.get(delta.index), delta)
+                    now = time.monotonic()
+                    if delta.finish_reason is not None or now - last_flush >= self.interval_s:
+                        for merged in pending.values():
+                            yield merged
+                        pending.clear()
+                        last_flush = now
+            except Exception:
+                for merged in pending.values():  # the tokens the engine did make, first
+                    yield merged
+                raise
             for merged in pending.values():
                 yield merged
         finally:

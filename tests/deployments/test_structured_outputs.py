@@ -206,7 +206,8 @@ def test_forced_tool_calls_whole_and_streamed():
     # Streamed: the first piece of the call has its id and name, later ones argument text.
     pieces = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or []]
     assert pieces[0].id and pieces[0].function.name == call.function.name
-    assert len(pieces) > 2 and all(p.index == 0 for p in pieces)
+    # (pieces: one message's tokens, merged by the replica's pacing)
+    assert len(pieces) >= 2 and all(p.index == 0 for p in pieces)
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The SDK's own stream helper puts the call back together.

@@ -31,9 +31,9 @@ def test_merge_concatenates_tokens_and_logprobs():
     assert merge(None, delta(3)) == delta(3)
 
 
-def test_a_lone_stream_under_budget_gets_every_token():
+def test_a_lone_stream_under_budget_and_gap_gets_every_token():
     items = [delta(i) for i in range(5)] + [delta(5, finish=FinishReason.LENGTH)]
-    out = paced(StreamPacer(messages_per_s=1.0 / 0.001), items)  # 1 ms interval, 2 ms gaps
+    out = paced(StreamPacer(messages_per_s=1.0 / 0.001, min_interval_s=0), items)  # 1 ms, 2 ms gaps
     assert out == items
 
 
@@ -73,3 +73,21 @@ def test_a_lone_stream_is_merged_below_the_shortest_gap():
     assert out[0].token_ids == (0,) and out[-1].finish_reason == FinishReason.LENGTH
     assert 2 <= len(out) < len(items) // 2  # first, a few 20 ms merges, last
     assert paced(StreamPacer(messages_per_s=0, min_interval_s=0.02), items, gap_s=0) == items
+
+
+def test_merged_tokens_go_out_before_a_failure():
+    async def failing():
+        for i in range(4):
+            yield delta(i)
+        raise RuntimeError("engine died")
+
+    async def main() -> tuple[list[int], str]:
+        got: list[int] = []
+        try:
+            async for d in StreamPacer(messages_per_s=1.0).pace(failing()):
+                got += d.token_ids
+        except RuntimeError as exc:
+            return got, str(exc)
+        return got, ""
+
+    assert asyncio.run(main()) == ([0, 1, 2, 3], "engine died")

@@ -37,7 +37,7 @@ def kernels():
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def built(request, kernels):
     """The tests of the integer GEMV run on the native build and, on an AVX-512 CPU, on
-    the AVX2 build too: its code is compiled nowhere else there (quant/__init__.py)."""
+    the AVX2 build too: with VNNI its code is compiled nowhere else (quant/__init__.py)."""
     if request.param == "native":
         return kernels
     if kernels.isa() != "avx512":

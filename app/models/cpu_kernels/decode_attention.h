@@ -21,7 +21,7 @@ namespace shoal_cpu {
 // Every cache line of one head's rows in a block. Blocks lie anywhere in the cache, so
 // the hardware prefetcher starts over at each; a decode step reads each sequence's keys
 // and values once, from memory, and fetching the next block while this one is summed
-// took 25-35% off a step's attention at 32 sequences (contexts of 100-500 tokens). The
+// took 10-25% off a step's attention at 32 sequences (contexts of 100-500 tokens). The
 // tokens of a prompt attended one by one reread their keys from cache: for them the
 // prefetches only cost (a 512-token prompt took 3-5% longer), and decode() asks for none.
 template <typename scalar_t>
@@ -184,9 +184,13 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   // token by token (TorchPagedAttention.token_by_token) lists its tokens in position
   // order, each with one more key than the last.
   const int64_t items = D * nkv;
-  // Rows of one prompt attended token by token: the same first block, one key apart.
+  // Rows of one prompt attended token by token: one key apart, the shorter's last key in
+  // the same block for both (a block that separate sequences share, as a common system
+  // prompt's, holds none of a decode's last keys).
   const auto same_prompt = [&](int64_t r, int64_t s) {
-    return r >= 0 && r < D && tp[r * max_blocks] == tp[s * max_blocks] && std::abs(lp[r] - lp[s]) == 1;
+    if (r < 0 || r >= D || std::abs(lp[r] - lp[s]) != 1) return false;
+    const int64_t b = (std::min(lp[r], lp[s]) - 1) / bs;
+    return tp[r * max_blocks + b] == tp[s * max_blocks + b];
   };
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;

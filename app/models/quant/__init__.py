@@ -76,7 +76,7 @@ _SOURCES = (
 
 # The builds: "native" (the CPU's own, what serving uses); "avx2", what a CPU without
 # AVX-512 builds, compiled on an AVX-512 CPU only by tests, since there the AVX2 code
-# (its int8 GEMV above all) is otherwise never compiled; "portable", plain loops 16 floats
+# (its int8 GEMV above all, where the CPU has VNNI) is otherwise never compiled; "portable", plain loops 16 floats
 # wide like AVX-512's, so that tests check the generic code at the other vector width.
 Build = Literal["native", "avx2", "portable"]
 _BUILD_FLAGS: dict[str, list[str]] = {
@@ -97,6 +97,8 @@ def _build_signature(build: Build) -> str:
 
 def load(build: Build = "native") -> ModuleType | None:
     """The compiled kernels (one of the builds above), or None."""
+    if build not in _BUILD_FLAGS:
+        raise ValueError(f"no build {build!r}: one of {sorted(_BUILD_FLAGS)}")
     with _lock:
         if build in _modules:
             return _modules[build]
