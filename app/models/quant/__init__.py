@@ -76,8 +76,9 @@ _SOURCES = (
 
 # The builds: "native" (the CPU's own, what serving uses); "avx2", what a CPU without
 # AVX-512 builds, compiled on an AVX-512 CPU only by tests, since there the AVX2 code
-# (its int8 GEMV above all, where the CPU has VNNI) is otherwise never compiled; "portable", plain loops 16 floats
-# wide like AVX-512's, so that tests check the generic code at the other vector width.
+# (its int8 GEMV above all, where the CPU has VNNI) is otherwise never compiled;
+# "portable", plain loops 16 floats wide like AVX-512's, so that tests check the generic
+# code at the other vector width.
 Build = Literal["native", "avx2", "portable"]
 _BUILD_FLAGS: dict[str, list[str]] = {
     "native": [],
