@@ -9,7 +9,9 @@ dequantized to bfloat16, with llama.cpp's figure on the same file beside them.
 - Greedy agreement over a fixed set of chat prompts: how many answers of `--tokens`
   tokens are identical, and how long the common prefix is, for the quantized model
   against the bfloat16 one, and for each against the float32 dequantized model (bfloat16
-  arithmetic alone moves greedy output; this puts the quantized model's drift beside it).
+  arithmetic alone moves greedy output; this puts the quantized model's drift beside it),
+  and for the quantized model's float16 KV cache (kv_cache_dtype 'auto' on AVX-512) and
+  a bfloat16 one against a float32 one.
 
 All sides are Shoal's engine on the same file: `quantization` auto (the file's blocks and
 our kernels) against `none` in bfloat16 and in float32. The last line printed is a JSON
@@ -56,11 +58,14 @@ PROMPTS = [
 ]
 
 
-def engine_for(model: str, quantization: str, dtype: str, threads: int) -> LLMEngine:
+def engine_for(
+    model: str, quantization: str, dtype: str, kv_cache_dtype: str, threads: int
+) -> LLMEngine:
     config = EngineConfig(
         model=model,
         quantization=quantization,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         num_threads=threads,
         kv_cache_memory_gib=0.5,
         enable_prefix_caching=False,
@@ -130,12 +135,14 @@ def main() -> None:
 
     result: dict = {"ctx": args.ctx, "greedy_tokens": args.tokens}
     outputs = {}
-    for label, quantization, dtype in (
-        ("quantized", "gguf", "auto"),  # gguf: fail rather than dequantize quietly
-        ("bfloat16", "none", "bfloat16"),
-        ("float32", "none", "float32"),
+    for label, quantization, dtype, kv_dtype in (
+        ("quantized", "gguf", "auto", "auto"),  # gguf: fail rather than dequantize quietly
+        ("quantized_f32_kv", "gguf", "auto", "float32"),  # what the float16 cache costs
+        ("quantized_bf16_kv", "gguf", "auto", "bfloat16"),
+        ("bfloat16", "none", "bfloat16", "auto"),
+        ("float32", "none", "float32", "auto"),
     ):
-        engine = engine_for(args.model, quantization, dtype, args.threads)
+        engine = engine_for(args.model, quantization, dtype, kv_dtype, args.threads)
         tokenizer = load_tokenizer(engine.source)
         ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
         ppl, scored = perplexity(engine, ids, args.ctx)
@@ -144,13 +151,21 @@ def main() -> None:
         result[f"ppl_{label}"] = round(ppl, 3)
         result["scored_tokens"] = scored
         print(
-            f"{label:10} ({engine.config.quantization}, {engine.runner.dtype}): "
+            f"{label:16} ({engine.config.quantization}, {engine.runner.dtype}, "
+            f"{engine.runner.kv_dtype} cache): "
             f"perplexity {ppl:.3f} over {scored} tokens"
         )
         source = engine.source
         del engine
 
-    for a, b in (("quantized", "bfloat16"), ("quantized", "float32"), ("bfloat16", "float32")):
+    pairs = [
+        ("quantized", "quantized_f32_kv"),
+        ("quantized_bf16_kv", "quantized_f32_kv"),
+        ("quantized", "bfloat16"),
+        ("quantized", "float32"),
+        ("bfloat16", "float32"),
+    ]
+    for a, b in pairs:
         result[f"greedy_{a}_vs_{b}"] = agreement(outputs[a], outputs[b])
         print(f"greedy, {a} against {b}: {result[f'greedy_{a}_vs_{b}']}")
 

@@ -28,6 +28,13 @@ class EngineConfig(BaseModel):
         "'none': dequantized to `dtype`; 'int8': every linear layer quantized at load (Q8_0 "
         "blocks).",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="What the KV cache holds: the model's dtype, or float16 or bfloat16 under a "
+        "float32 model. 'auto': float16 (llama.cpp's default) where `dtype` 'auto' computes in "
+        "float32 on a CPU with the AVX-512 kernels (a quantized GGUF: half the bytes a step's "
+        "attention reads, twice the tokens per GiB), else the model's dtype.",
+    )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(
         None, ge=2, description="Fixed block count; None sizes the cache from kv_cache_memory_gib."
@@ -36,7 +43,7 @@ class EngineConfig(BaseModel):
         1.0,
         gt=0,
         description="KV cache budget when num_kv_blocks is None (SmolLM2: ~45k tokens per GiB in "
-        "bfloat16, ~23k in float32, the default GGUF's).",
+        "16 bits, ~23k in float32).",
     )
     max_num_seqs: int = Field(128, ge=1, description="Most sequences in one step's batch.")
     max_num_batched_tokens: int = Field(

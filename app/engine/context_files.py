@@ -43,6 +43,7 @@ class ContextFiles:
             "kv_heads": local.num_kv_heads,
             "head_dim": local.head_dim,
             "dtype": str(runner.dtype),
+            "kv_dtype": str(runner.kv_dtype),
             "block_size": engine.config.block_size,
             "cache_shape": list(self.block_shape),
         }

@@ -220,8 +220,9 @@ class TorchPagedAttention(AttentionBackend):
         if kernels is not None:
             kernels.write_kv_cache(k, v, k_cache, v_cache, metadata.slots)
         else:
-            k_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k
-            v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
+            # The cache may hold bfloat16 under a float32 model (kv_cache_dtype).
+            k_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k.to(k_cache.dtype)
+            v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v.to(v_cache.dtype)
         outputs = []
         if metadata.kernel_decode is not None:
             kb = metadata.kernel_decode
@@ -265,8 +266,8 @@ class TorchPagedAttention(AttentionBackend):
         nkv, bs = k_cache.shape[1], k_cache.shape[2]
         index = meta.decode_gather_index
         length = index.shape[-1] * bs
-        keys = k_cache.view(-1, bs, hd)[index].view(d, nkv, length, hd)
-        values = v_cache.view(-1, bs, hd)[index].view(d, nkv, length, hd)
+        keys = k_cache.view(-1, bs, hd)[index].view(d, nkv, length, hd).to(q.dtype)
+        values = v_cache.view(-1, bs, hd)[index].view(d, nkv, length, hd).to(q.dtype)
         q = q.view(d, nkv, nh // nkv, hd)  # query heads grouped by the kv head they share
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (D, nkv, G, L)
         if softcap > 0:
@@ -300,8 +301,8 @@ class TorchPagedAttention(AttentionBackend):
                 return out[0].transpose(0, 1)  # (Lq, nh, hd)
         else:
             nkv, bs, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-            ks = k_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx]
-            vs = v_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx]
+            ks = k_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx].to(q.dtype)
+            vs = v_cache.view(-1, bs, hd)[span.gather_index].view(nkv, -1, hd)[:, :ctx].to(q.dtype)
         mask = span.mask(window)
         if softcap > 0:
             return _softcapped_attention(qs, ks, vs, mask, scale, softcap).transpose(0, 1)

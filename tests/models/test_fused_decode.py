@@ -70,6 +70,26 @@ def test_default_model_fused_equals_python(default_engine: LLMEngine, batch: int
     _assert_same(default_engine, _prompts(batch))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_16_bit_cache_fused_equals_python(kv_cache_dtype: str):
+    """A float32 model over a 16-bit KV cache (float16 is what kv_cache_dtype 'auto' picks
+    for the default GGUF on AVX-512): both paths round keys and values alike and read
+    them alike."""
+    engine = LLMEngine(
+        EngineConfig(
+            device="cpu",
+            dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
+            num_threads=2,
+            kv_cache_memory_gib=0.05,
+            enable_prefix_caching=False,
+        )
+    )
+    assert engine.runner.k_caches[0].dtype == getattr(torch, kv_cache_dtype)
+    assert engine.runner.dtype == torch.float32
+    _assert_same(engine, _prompts(5))
+
+
 @pytest.mark.parametrize("batch", [3, 20])  # 20 > the float GEMV's 16 rows: tiles
 def test_float_activations_fused_equals_python(default_engine: LLMEngine, monkeypatch, batch: int):
     monkeypatch.setattr(quant, "float_activations", True)
@@ -157,10 +177,37 @@ def test_auto_dtype_keeps_a_bf16_cpu_on_the_fused_path(tmp_path: Path, monkeypat
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     quantized = cpu_engine(path, dtype="auto")
     assert quantized.runner.dtype == torch.float32
-    assert quantized.runner.k_caches[0].dtype == torch.float32
+    # float16 keys and values where the AVX-512 kernels read them (kv_cache_dtype 'auto')
+    vectorised = quantized.runner.backend.has_prefill_kernel
+    assert quantized.runner.kv_dtype == (torch.float16 if vectorised else torch.float32)
+    assert quantized.runner.k_caches[0].dtype == quantized.runner.kv_dtype
     assert quantized.loaded.model.model.fused_decode
     assert cpu_engine(path, dtype="auto", quantization="int8").runner.dtype == torch.float32
     assert cpu_engine(path, dtype="auto", quantization="none").runner.dtype == torch.bfloat16
     assert cpu_engine(directory, dtype="auto").runner.dtype == torch.bfloat16
     floats = write_gguf(directory, directory / "f32.gguf")
     assert cpu_engine(floats, dtype="auto").runner.dtype == torch.bfloat16
+
+
+def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path):
+    directory = save_family_checkpoint(tmp_path, "qwen3")
+    explicit = cpu_engine(directory, dtype="float32")  # 'auto' keeps an asked-for float32
+    assert explicit.runner.kv_dtype == torch.float32
+    halved = cpu_engine(directory, dtype="float32", kv_cache_dtype="bfloat16")
+    assert halved.runner.k_caches[0].dtype == torch.bfloat16
+    # the same cache budget holds twice the blocks
+    budget = dict(num_kv_blocks=None, kv_cache_memory_gib=0.001)
+    f32 = cpu_engine(directory, dtype="float32", **budget).runner.num_blocks
+    assert (
+        cpu_engine(
+            directory, dtype="float32", kv_cache_dtype="bfloat16", **budget
+        ).runner.num_blocks
+        == 2 * f32
+    )
+    assert halved.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    f16 = cpu_engine(directory, dtype="float32", kv_cache_dtype="float16")
+    assert f16.runner.k_caches[0].dtype == torch.float16
+    assert f16.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    for dtype, kv in (("bfloat16", "float32"), ("bfloat16", "float16"), ("float16", "bfloat16")):
+        with pytest.raises(ValueError, match="cannot hold"):
+            cpu_engine(directory, dtype=dtype, kv_cache_dtype=kv)

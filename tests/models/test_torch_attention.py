@@ -37,17 +37,24 @@ def make_backend(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchPagedAttent
 class Batch:
     """Sequences with random keys and values, the part before this step already cached."""
 
-    def __init__(self, backend, contexts, queries, decodes, dtype, nkv=NKV, nh=NH, hd=HD):
+    def __init__(
+        self, backend, contexts, queries, decodes, dtype, nkv=NKV, nh=NH, hd=HD, cache_dtype=None
+    ):
         shape = backend.kv_cache_shape(NBLOCKS, BS, nkv, hd)
+        cache_dtype = cache_dtype or dtype
         self.k_cache, self.v_cache = (
-            torch.zeros(shape, dtype=dtype),
-            torch.zeros(shape, dtype=dtype),
+            torch.zeros(shape, dtype=cache_dtype),
+            torch.zeros(shape, dtype=cache_dtype),
         )
         self.contexts, self.queries = contexts, queries
         free = torch.randperm(NBLOCKS).tolist()
         self.tables = [[free.pop() for _ in range(-(-c // BS))] for c in contexts]
-        self.keys = [torch.randn(c, nkv, hd, dtype=dtype) for c in contexts]
-        self.values = [torch.randn(c, nkv, hd, dtype=dtype) for c in contexts]
+
+        def rows(c: int) -> torch.Tensor:  # values the cache holds exactly
+            return torch.randn(c, nkv, hd, dtype=cache_dtype).to(dtype)
+
+        self.keys = [rows(c) for c in contexts]
+        self.values = [rows(c) for c in contexts]
         slots = []
         for table, kk, vv, n in zip(self.tables, self.keys, self.values, queries, strict=True):
             ctx = kk.shape[0]
@@ -97,6 +104,50 @@ def test_mixed_batch_matches_dense_attention(path, dtype, window, softcap, monke
     batch = Batch(backend, CONTEXTS, QUERIES, DECODES, dtype)
     meta = backend.build_metadata(batch.layout, NKV, torch.device("cpu"))
     batch.check(batch.run(backend, meta, window, softcap), window, softcap)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 50.0)])
+def test_16_bit_cache_under_float32_queries(path, cache_dtype, window, softcap, monkeypatch):
+    """kv_cache_dtype float16 or bfloat16 for a float32 model: float32 queries and
+    outputs, keys and values read from 16-bit blocks; the reference sees the same
+    (representable) keys, so only accumulation order separates them."""
+    torch.manual_seed(5)
+    backend = make_backend(path, monkeypatch)
+    batch = Batch(backend, CONTEXTS, QUERIES, DECODES, torch.float32, cache_dtype=cache_dtype)
+    meta = backend.build_metadata(batch.layout, NKV, torch.device("cpu"))
+    out = batch.run(backend, meta, window, softcap)
+    assert out.dtype == torch.float32 and batch.k_cache.dtype == cache_dtype
+    batch.check(out, window, softcap)
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_cache_write_rounds_as_torch(path, cache_dtype, monkeypatch):
+    """Float32 keys stored in a 16-bit cache are torch's .to() of them, ties to even
+    included; a NaN stays a NaN and infinities (and float16's overflows) stay infinite."""
+    backend = make_backend(path, monkeypatch)
+    shape = backend.kv_cache_shape(8, BS, NKV, HD)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    k, v = torch.randn(3, NKV, HD) * 100, torch.randn(3, NKV, HD)
+    eps = torch.finfo(cache_dtype).eps  # 1 + eps / 2 and 1 + 3 eps / 2 are exact ties
+    k[0, 0, :5] = torch.tensor([1 + eps / 2, 1 + 3 * eps / 2, -(1 + eps / 2), 2**-130, 1e6])
+    k[1, 1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    k[2, 0, :2] = torch.tensor([0x7F800001], dtype=torch.int32).view(
+        torch.float32
+    )  # NaN, low payload
+    slots = [5, 12, 31]
+    layout = BatchLayout([3], [3], [[1, 3, 7]], slots, num_decodes=0, block_size=BS)
+    meta = backend.build_metadata(layout, NKV, torch.device("cpu"))
+    backend.forward(torch.randn(3, NH, HD), k, v, k_cache, v_cache, meta, 1.0)
+    for i, slot in enumerate(slots):
+        got_k, got_v = k_cache[slot // BS, :, slot % BS], v_cache[slot // BS, :, slot % BS]
+        want_k = k[i].to(cache_dtype)
+        assert torch.equal(got_k.isnan(), want_k.isnan())
+        assert torch.equal(got_k.nan_to_num(0.0), want_k.nan_to_num(0.0))
+        assert torch.equal(got_v, v[i].to(cache_dtype))
+    assert k_cache[1, 0, 1, :2].tolist() == [1, 1 + 2 * eps]  # slot 5: k[0], to even
 
 
 @pytest.mark.parametrize("path", PATHS)

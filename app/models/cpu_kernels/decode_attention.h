@@ -158,7 +158,8 @@ inline ValueSumsFn pick_value_sums(int64_t hd) {
 }
 #endif
 
-template <typename scalar_t>
+// Queries and output in scalar_t, the cache in cache_t (with_cache_type says which pairs).
+template <typename scalar_t, typename cache_t>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
             double scale, int64_t window, double softcap) {
@@ -166,8 +167,8 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t nkv = k_cache.size(1), bs = k_cache.size(2);
   const int64_t G = nh / nkv, max_blocks = tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
@@ -175,7 +176,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
 #if defined(__AVX512F__)
-  const DecodeItemFn<scalar_t> fast = pick_decode_item<scalar_t>(G, hd);
+  const DecodeItemFn<cache_t> fast = pick_decode_item<cache_t>(G, hd);
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const ValueSumsFn sums = pick_value_sums(hd);
@@ -218,11 +219,11 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 #endif
       // Blocks from the one holding key lo; the first is read from lo's offset.
       for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
-        const scalar_t* kb = kp + table[b] * block_stride + h * head_stride;
+        const cache_t* kb = kp + table[b] * block_stride + h * head_stride;
         const int64_t n = std::min(bs, ctx - start);
         int64_t t = std::max<int64_t>(lo - start, 0);
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-        if constexpr (std::is_same_v<scalar_t, float>)
+        if constexpr (std::is_same_v<cache_t, float>)
           if (hd % 16 == 0)
             for (; t + 8 <= n; t += 8)
               for (int64_t g = 0; g < G; ++g)
@@ -237,7 +238,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (std::is_same_v<cache_t, float>) {
         if (sums != nullptr) {
           sums(scores.data(), G, len, vp, table, lo, ctx, bs, block_stride, h * head_stride, acc.data());
           store(s, h);
@@ -246,7 +247,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
       }
 #endif
       for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
-        const scalar_t* vb = vp + table[b] * block_stride + h * head_stride;
+        const cache_t* vb = vp + table[b] * block_stride + h * head_stride;
         const int64_t n = std::min(bs, ctx - start);
         for (int64_t t = std::max<int64_t>(lo - start, 0); t < n; ++t)
           for (int64_t g = 0; g < G; ++g)
@@ -257,7 +258,9 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
-template <typename scalar_t>
+// New keys and values (scalar_t) into their slots of a cache in cache_t (store_row
+// rounds as torch's .to() does when the two differ).
+template <typename scalar_t, typename cache_t>
 void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
            const at::Tensor& slots) {
   const int64_t T = k.size(0), nkv = k.size(1), hd = k.size(2);
@@ -266,20 +269,32 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
   const int64_t* sp = slots.data_ptr<int64_t>();
   const scalar_t* kp = k.data_ptr<scalar_t>();
   const scalar_t* vp = v.data_ptr<scalar_t>();
-  scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  cache_t* kc = k_cache.data_ptr<cache_t>();
+  cache_t* vc = v_cache.data_ptr<cache_t>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = sp[t] / bs, off = sp[t] % bs;
       for (int64_t h = 0; h < nkv; ++h) {
         const int64_t dst = block * block_stride + h * head_stride + off * hd;
-        std::copy_n(kp + t * ks0 + h * ks1, hd, kc + dst);
-        std::copy_n(vp + t * vs0 + h * vs1, hd, vc + dst);
+        store_row(kc + dst, kp + t * ks0 + h * ks1, hd);
+        store_row(vc + dst, vp + t * vs0 + h * vs1, hd);
       }
     }
   });
 }
 
+// Calls f with a null cache_t pointer for a cache of element type `cache`: the queries'
+// scalar_t, or a 16-bit type under float32 queries (EngineConfig.kv_cache_dtype), else fails.
+template <typename scalar_t, typename F>
+void with_cache_type(at::ScalarType cache, F&& f) {
+  if (cache == c10::CppTypeToScalarType<scalar_t>::value) return f(static_cast<scalar_t*>(nullptr));
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (cache == at::kHalf) return f(static_cast<c10::Half*>(nullptr));
+    if (cache == at::kBFloat16) return f(static_cast<c10::BFloat16*>(nullptr));
+  }
+  TORCH_CHECK(false, "a ", cache, " KV cache cannot hold ", c10::CppTypeToScalarType<scalar_t>::value,
+              " keys (the model's dtype, or float16 or bfloat16 under float32)");
+}
 
 }  // namespace shoal_cpu

@@ -139,7 +139,7 @@ inline void prefill_row(const float* qr, const float* kt, const float* vf, int64
 
 // kWindow and kSoftcap are template arguments so that plain causal attention pays
 // nothing for either.
-template <typename scalar_t, bool kWindow, bool kSoftcap>
+template <typename scalar_t, typename cache_t, bool kWindow, bool kSoftcap>
 void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
              const at::Tensor& starts, double scale, int64_t window, double softcap) {
@@ -148,8 +148,8 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t nkv = k_cache.size(1), bs = k_cache.size(2);
   const int64_t G = nh / nkv, max_blocks = tables.size(1), S = lens.size(0);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
@@ -241,9 +241,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(!kVectorized || q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are 0 (off) or positive");
   auto out = at::empty_like(q);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches differ in dtype");
   SHOAL_DISPATCH(q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale,
-                     window, softcap);
+    with_cache_type<scalar_t>(k_cache.scalar_type(), [&](auto* tag) {
+      using cache_t = std::remove_pointer_t<decltype(tag)>;
+      decode<scalar_t, cache_t>(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(),
+                                scale, window, softcap);
+    });
   });
   return out;
 }
@@ -259,12 +263,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(!kVectorized || q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are 0 (off) or positive");
   auto out = at::empty_like(q);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches differ in dtype");
   SHOAL_DISPATCH(q.scalar_type(), "paged_prefill", [&] {
-    using Fn = decltype(&prefill<scalar_t, false, false>);
-    const Fn run = window > 0 ? (softcap > 0 ? &prefill<scalar_t, true, true> : &prefill<scalar_t, true, false>)
-                              : (softcap > 0 ? &prefill<scalar_t, false, true> : &prefill<scalar_t, false, false>);
-    run(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), query_starts.contiguous(),
-        scale, window, softcap);
+    with_cache_type<scalar_t>(k_cache.scalar_type(), [&](auto* tag) {
+      using cache_t = std::remove_pointer_t<decltype(tag)>;
+      using Fn = decltype(&prefill<scalar_t, cache_t, false, false>);
+      const Fn run = window > 0 ? (softcap > 0 ? &prefill<scalar_t, cache_t, true, true>
+                                               : &prefill<scalar_t, cache_t, true, false>)
+                                : (softcap > 0 ? &prefill<scalar_t, cache_t, false, true>
+                                               : &prefill<scalar_t, cache_t, false, false>);
+      run(out, q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(),
+          query_starts.contiguous(), scale, window, softcap);
+    });
   });
   return out;
 }
@@ -293,8 +303,12 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong);
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "keys and values differ in dtype");
   SHOAL_DISPATCH(k.scalar_type(), "write_kv", [&] {
-    write<scalar_t>(k, v, k_cache, v_cache, slot_mapping.contiguous());
+    with_cache_type<scalar_t>(k_cache.scalar_type(), [&](auto* tag) {
+      write<scalar_t, std::remove_pointer_t<decltype(tag)>>(k, v, k_cache, v_cache, slot_mapping.contiguous());
+    });
   });
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace shoal_cpu {
@@ -26,6 +27,28 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// n (a multiple of 16) floats stored as bfloat16, sixteen at a time, rounded to
+// nearest-even as torch's .to(torch.bfloat16) rounds; a NaN stays a NaN (the rounding
+// add would turn one with a small payload into infinity).
+inline void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 x = _mm512_loadu_ps(src + d);
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// n (a multiple of 16) floats stored as float16, rounded to nearest-even as torch rounds.
+inline void store_row(c10::Half* dst, const float* src, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 template <typename scalar_t>
@@ -251,6 +274,16 @@ inline void load_row(float* dst, const scalar_t* src, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 #endif
+
+// A row of keys or values into the cache: a copy, or each element converted (the
+// AVX-512 build's float -> bfloat16 overload above rounds the same way, vectorised).
+template <typename cache_t, typename scalar_t>
+inline void store_row(cache_t* dst, const scalar_t* src, int64_t n) {
+  if constexpr (std::is_same_v<cache_t, scalar_t>)
+    std::copy_n(src, n, dst);
+  else
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<cache_t>(static_cast<float>(src[d]));
+}
 
 // First key a query at `pos` sees: the window keeps `window` keys ending at its own
 // (transformers' sliding window: key j visible iff j > pos - window); 0 keeps them all.

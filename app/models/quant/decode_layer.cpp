@@ -89,8 +89,7 @@ class DecodeLayer {
   Tensor forward(const Tensor& h, const Tensor& cos, const Tensor& sin, Tensor k_cache, Tensor v_cache,
                  const Tensor& slots, const Tensor& tables, const Tensor& lens, int64_t activations) const {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h must be (T, hidden) float32");
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-                "the KV cache must be contiguous float32");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
     TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kInt &&
                     lens.scalar_type() == at::kInt && slots.size(0) == h.size(0) && lens.size(0) == h.size(0),
                 "slots (T,) int64, tables (T, blocks) and lens (T,) int32");
@@ -99,7 +98,7 @@ class DecodeLayer {
                     sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
                 "tables (T, blocks); cos and sin (T, head_dim) float32");
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) == nkv_ && k_cache.size(3) == hd_ &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat,
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
                 "caches (blocks, kv heads, block size, head_dim)");
     const int64_t T = h.size(0), q_size = nh_ * hd_, kv_size = nkv_ * hd_;
     Tensor x = at::empty_like(h);
@@ -109,11 +108,14 @@ class DecodeLayer {
     shoal_cpu::rotary_impl<float>(qkv, cos, sin, nh_ + nkv_);
     const Tensor k = qkv.narrow(1, q_size, kv_size).view({T, nkv_, hd_});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, nkv_, hd_});
-    shoal_cpu::write<float>(k, v, k_cache, v_cache, slots.contiguous());
     const Tensor q = qkv.narrow(1, 0, q_size).view({T, nh_, hd_}).contiguous();
     Tensor attn = at::empty_like(q);
-    shoal_cpu::decode<float>(attn, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(), scale_, window_,
-                             0.0);
+    shoal_cpu::with_cache_type<float>(k_cache.scalar_type(), [&](auto* tag) {
+      using cache_t = std::remove_pointer_t<decltype(tag)>;
+      shoal_cpu::write<float, cache_t>(k, v, k_cache, v_cache, slots.contiguous());
+      shoal_cpu::decode<float, cache_t>(attn, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(), scale_,
+                                        window_, 0.0);
+    });
     const Tensor h1 = h + o_(attn.view({T, q_size}), activations);
     shoal_cpu::rms_norm_impl<float>(x, h1, post_attention_norm_, eps_);
     const Tensor gate_up = gate_up_(x, activations);
