@@ -284,7 +284,7 @@ def run(model: str, args: argparse.Namespace) -> dict:
     floor_ms = 1000 * weight_bytes / bandwidth
     print(
         f"model {engine.source.name}  dtype {dtype}  quantization {engine.config.quantization}  "
-        f"threads {args.threads}  KV blocks {engine.block_manager.num_blocks}x"
+        f"KV cache {engine.runner.kv_dtype}  threads {args.threads}  KV blocks {engine.block_manager.num_blocks}x"
         f"{engine.config.block_size}\nweights {weight_bytes / 1e6:.1f} MB: decode floor "
         f"{floor_ms:.2f} ms/token at this machine's read bandwidth"
     )
@@ -306,6 +306,7 @@ def run(model: str, args: argparse.Namespace) -> dict:
         "model": engine.source.name,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": engine.config.quantization,
+        "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
         "threads": args.threads,
         "weights_mb": round(weight_bytes / 1e6, 1),
         "floor_ms": round(floor_ms, 2),

@@ -325,6 +325,7 @@ def main() -> None:
         "--stream-message-interval-s", type=float, default=None, help="a stream's shortest gap"
     )
     parser.add_argument("--quantization", default=None, help="EngineConfig.quantization")
+    parser.add_argument("--kv-cache-dtype", default=None, help="EngineConfig.kv_cache_dtype")
     parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
     parser.add_argument("--llama-port", type=int, default=None, help="default: a free one")
     parser.add_argument(
@@ -343,8 +344,9 @@ def main() -> None:
         model["stream_messages_per_s"] = args.stream_messages_per_s
     if args.stream_message_interval_s is not None:
         model["stream_message_interval_s"] = args.stream_message_interval_s
-    if args.quantization:
-        model["engine"] = {"quantization": args.quantization}
+    engine = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    if engine := {k: v for k, v in engine.items() if v}:
+        model["engine"] = engine
     if model:
         settings["models"] = [model]
     config = AppConfig.model_validate(settings)

@@ -5,7 +5,7 @@ from functools import cached_property
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -31,9 +31,10 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="What the KV cache holds: the model's dtype, or float16 or bfloat16 under a "
-        "float32 model. 'auto': float16 (llama.cpp's default) where `dtype` 'auto' computes in "
-        "float32 on a CPU with the AVX-512 kernels (a quantized GGUF: half the bytes a step's "
-        "attention reads, twice the tokens per GiB), else the model's dtype.",
+        "float32 model. 'auto': float16 (llama.cpp's default) for a quantized model that `dtype` "
+        "'auto' computes in float32 on a CPU with the AVX-512 kernels (half the bytes a step's "
+        "attention reads, twice the tokens per GiB), else the model's dtype. Without AVX-512 the "
+        "kernels read a 16-bit cache one element at a time: slower than float32.",
     )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(
@@ -42,7 +43,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory_gib: float = Field(
         1.0,
         gt=0,
-        description="KV cache budget when num_kv_blocks is None (SmolLM2: ~45k tokens per GiB in "
+        description="KV cache budget when num_kv_blocks is None (SmolLM2: ~46k tokens per GiB in "
         "16 bits, ~23k in float32).",
     )
     max_num_seqs: int = Field(128, ge=1, description="Most sequences in one step's batch.")
@@ -88,6 +89,13 @@ class EngineConfig(BaseModel):
     )
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
 
+    @model_validator(mode="after")
+    def _kv_cache_dtype_fits(self) -> "EngineConfig":
+        # with dtype 'auto' the model's dtype is known only at load (load_runner checks)
+        if self.dtype != "auto" and self.kv_cache_dtype != "auto":
+            check_kv_cache_dtype(getattr(torch, self.dtype), getattr(torch, self.kv_cache_dtype))
+        return self
+
     @cached_property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -115,6 +123,17 @@ class EngineConfig(BaseModel):
         if self.distributed_backend != "auto":
             return self.distributed_backend
         return "nccl" if self.torch_device.type == "cuda" else "gloo"
+
+
+def check_kv_cache_dtype(model: torch.dtype, cache: torch.dtype) -> None:
+    """A cache holds the model's dtype, or a 16-bit one under float32 (the kernels widen
+    what they read to float32; nothing narrower than the model reads wider keys)."""
+    if cache != model and not (model == torch.float32 and cache.itemsize == 2):
+        raise ValueError(
+            f"kv_cache_dtype {str(cache).removeprefix('torch.')!r} is not supported for a "
+            f"{str(model).removeprefix('torch.')} model: the model's dtype, or float16 or "
+            "bfloat16 under float32"
+        )
 
 
 def cpu_has_bf16() -> bool:

@@ -43,10 +43,11 @@ class ContextFiles:
             "kv_heads": local.num_kv_heads,
             "head_dim": local.head_dim,
             "dtype": str(runner.dtype),
-            "kv_dtype": str(runner.kv_dtype),
             "block_size": engine.config.block_size,
             "cache_shape": list(self.block_shape),
         }
+        if runner.kv_dtype != runner.dtype:  # files of a same-dtype cache stay as before
+            self.fingerprint["kv_dtype"] = str(runner.kv_dtype)
         # A file larger than a whole context of this model could be is refused unread.
         n = engine.max_model_len
         blocks = engine.block_manager.blocks_needed(n)

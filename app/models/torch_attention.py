@@ -220,7 +220,7 @@ class TorchPagedAttention(AttentionBackend):
         if kernels is not None:
             kernels.write_kv_cache(k, v, k_cache, v_cache, metadata.slots)
         else:
-            # The cache may hold bfloat16 under a float32 model (kv_cache_dtype).
+            # The cache may hold 16 bits under a float32 model (kv_cache_dtype).
             k_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k.to(k_cache.dtype)
             v_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v.to(v_cache.dtype)
         outputs = []
@@ -294,6 +294,8 @@ class TorchPagedAttention(AttentionBackend):
         if span.gather_index is None:  # no cached prefix: the chunk's own keys are all
             ks = k[span.start : span.end].transpose(0, 1)  # (nkv, Lq, hd)
             vs = v[span.start : span.end].transpose(0, 1)
+            if k_cache.dtype != q.dtype:  # rounded as the cache holds them, as later reads
+                ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
             if window == 0 and softcap == 0:
                 out = F.scaled_dot_product_attention(
                     qs[None], ks[None], vs[None], is_causal=True, scale=scale, enable_gqa=True

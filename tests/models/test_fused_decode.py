@@ -71,7 +71,7 @@ def test_default_model_fused_equals_python(default_engine: LLMEngine, batch: int
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
-def test_16_bit_cache_fused_equals_python(kv_cache_dtype: str):
+def test_16_bit_cache_fused_equals_python(default_engine: LLMEngine, kv_cache_dtype: str):
     """A float32 model over a 16-bit KV cache (float16 is what kv_cache_dtype 'auto' picks
     for the default GGUF on AVX-512): both paths round keys and values alike and read
     them alike."""
@@ -83,7 +83,8 @@ def test_16_bit_cache_fused_equals_python(kv_cache_dtype: str):
             num_threads=2,
             kv_cache_memory_gib=0.05,
             enable_prefix_caching=False,
-        )
+        ),
+        loaded=default_engine.loaded,
     )
     assert engine.runner.k_caches[0].dtype == getattr(torch, kv_cache_dtype)
     assert engine.runner.dtype == torch.float32
@@ -189,25 +190,27 @@ def test_auto_dtype_keeps_a_bf16_cpu_on_the_fused_path(tmp_path: Path, monkeypat
     assert cpu_engine(floats, dtype="auto").runner.dtype == torch.bfloat16
 
 
-def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path):
+def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path, monkeypatch):
+    # 'auto' on a CPU without bfloat16 instructions: float32 models, a 16-bit cache only
+    # for a quantized one, and only where the AVX-512 kernels read it
+    monkeypatch.setattr(engine_config, "cpu_has_bf16", lambda: False)
     directory = save_family_checkpoint(tmp_path, "qwen3")
-    explicit = cpu_engine(directory, dtype="float32")  # 'auto' keeps an asked-for float32
-    assert explicit.runner.kv_dtype == torch.float32
-    halved = cpu_engine(directory, dtype="float32", kv_cache_dtype="bfloat16")
-    assert halved.runner.k_caches[0].dtype == torch.bfloat16
-    # the same cache budget holds twice the blocks
+    floats = cpu_engine(directory, dtype="auto")
+    assert floats.runner.dtype == floats.runner.kv_dtype == torch.float32
+    quantized = cpu_engine(directory, dtype="auto", quantization="int8")
+    vectorised = quantized.runner.backend.has_prefill_kernel
+    assert quantized.runner.kv_dtype == (torch.float16 if vectorised else torch.float32)
+    assert (
+        cpu_engine(directory, dtype="float32", quantization="int8").runner.kv_dtype == torch.float32
+    )
+    # asked for: either 16-bit type under float32, twice the blocks in the same budget
     budget = dict(num_kv_blocks=None, kv_cache_memory_gib=0.001)
     f32 = cpu_engine(directory, dtype="float32", **budget).runner.num_blocks
-    assert (
-        cpu_engine(
-            directory, dtype="float32", kv_cache_dtype="bfloat16", **budget
-        ).runner.num_blocks
-        == 2 * f32
-    )
-    assert halved.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
-    f16 = cpu_engine(directory, dtype="float32", kv_cache_dtype="float16")
-    assert f16.runner.k_caches[0].dtype == torch.float16
-    assert f16.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    for kv in ("float16", "bfloat16"):
+        engine = cpu_engine(directory, dtype="float32", kv_cache_dtype=kv)
+        assert engine.runner.k_caches[0].dtype == getattr(torch, kv)
+        halved = cpu_engine(directory, dtype="float32", kv_cache_dtype=kv, **budget)
+        assert halved.runner.num_blocks in (2 * f32, 2 * f32 + 1)
     for dtype, kv in (("bfloat16", "float32"), ("bfloat16", "float16"), ("float16", "bfloat16")):
-        with pytest.raises(ValueError, match="cannot hold"):
-            cpu_engine(directory, dtype=dtype, kv_cache_dtype=kv)
+        with pytest.raises(ValueError, match="not supported for a"):
+            EngineConfig(dtype=dtype, kv_cache_dtype=kv)

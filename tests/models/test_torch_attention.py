@@ -122,25 +122,24 @@ def test_16_bit_cache_under_float32_queries(path, cache_dtype, window, softcap, 
     batch.check(out, window, softcap)
 
 
-@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_cache_write_rounds_as_torch(path, cache_dtype, monkeypatch):
-    """Float32 keys stored in a 16-bit cache are torch's .to() of them, ties to even
-    included; a NaN stays a NaN and infinities (and float16's overflows) stay infinite."""
-    backend = make_backend(path, monkeypatch)
-    shape = backend.kv_cache_shape(8, BS, NKV, HD)
+@pytest.mark.parametrize("hd", [HD, 40])  # 40: a vectorised row store's scalar tail
+def test_16_bit_cache_write_rounds_as_torch(cache_dtype, hd, monkeypatch):
+    """Float32 keys stored in a 16-bit cache by the write kernel are torch's .to() of
+    them, ties to even included; a NaN stays a NaN and infinities (and float16's
+    overflows) stay infinite; nothing lands outside the named slots. (The torch path
+    writes k.to(cache dtype) itself.)"""
+    kernels = make_backend("kernels", monkeypatch).kernels
+    shape = (8, NKV, BS, hd)
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
-    k, v = torch.randn(3, NKV, HD) * 100, torch.randn(3, NKV, HD)
+    k, v = torch.randn(3, NKV, hd) * 100, torch.randn(3, NKV, hd)
     eps = torch.finfo(cache_dtype).eps  # 1 + eps / 2 and 1 + 3 eps / 2 are exact ties
     k[0, 0, :5] = torch.tensor([1 + eps / 2, 1 + 3 * eps / 2, -(1 + eps / 2), 2**-130, 1e6])
     k[1, 1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
-    k[2, 0, :2] = torch.tensor([0x7F800001], dtype=torch.int32).view(
-        torch.float32
-    )  # NaN, low payload
+    low_payload_nan = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
+    k[2, 0, -2:] = low_payload_nan  # in the tail when hd is not a multiple of 16
     slots = [5, 12, 31]
-    layout = BatchLayout([3], [3], [[1, 3, 7]], slots, num_decodes=0, block_size=BS)
-    meta = backend.build_metadata(layout, NKV, torch.device("cpu"))
-    backend.forward(torch.randn(3, NH, HD), k, v, k_cache, v_cache, meta, 1.0)
+    kernels.write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots))
     for i, slot in enumerate(slots):
         got_k, got_v = k_cache[slot // BS, :, slot % BS], v_cache[slot // BS, :, slot % BS]
         want_k = k[i].to(cache_dtype)
@@ -148,6 +147,7 @@ def test_16_bit_cache_write_rounds_as_torch(path, cache_dtype, monkeypatch):
         assert torch.equal(got_k.nan_to_num(0.0), want_k.nan_to_num(0.0))
         assert torch.equal(got_v, v[i].to(cache_dtype))
     assert k_cache[1, 0, 1, :2].tolist() == [1, 1 + 2 * eps]  # slot 5: k[0], to even
+    assert int((v_cache != 0).any(dim=-1).sum()) == 3 * NKV
 
 
 @pytest.mark.parametrize("path", PATHS)

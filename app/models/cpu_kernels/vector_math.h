@@ -29,12 +29,13 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// n (a multiple of 16) floats stored as bfloat16, sixteen at a time, rounded to
-// nearest-even as torch's .to(torch.bfloat16) rounds; a NaN stays a NaN (the rounding
-// add would turn one with a small payload into infinity).
+// n floats stored as bfloat16, sixteen at a time, rounded to nearest-even as torch's
+// .to(torch.bfloat16) rounds; a NaN stays a NaN (the rounding add would turn one with a
+// small payload into infinity).
 inline void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
   const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
-  for (int64_t d = 0; d < n; d += 16) {
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
     const __m512 x = _mm512_loadu_ps(src + d);
     const __m512i b = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);
@@ -42,13 +43,16 @@ inline void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm512_cvtepi32_epi16(r));
   }
+  for (; d < n; ++d) dst[d] = c10::BFloat16(src[d]);
 }
 
-// n (a multiple of 16) floats stored as float16, rounded to nearest-even as torch rounds.
+// n floats stored as float16, rounded to nearest-even as torch rounds.
 inline void store_row(c10::Half* dst, const float* src, int64_t n) {
-  for (int64_t d = 0; d < n; d += 16)
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                         _mm512_cvtps_ph(_mm512_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; d < n; ++d) dst[d] = c10::Half(src[d]);
 }
 
 template <typename scalar_t>
