@@ -10,7 +10,7 @@ dequantized to bfloat16, with llama.cpp's figure on the same file beside them.
   tokens are identical, and how long the common prefix is, for the quantized model
   against the bfloat16 one, and for each against the float32 dequantized model (bfloat16
   arithmetic alone moves greedy output; this puts the quantized model's drift beside it),
-  and for the quantized model's float16 KV cache (kv_cache_dtype 'auto' on AVX-512) and
+  and for the quantized model's float16 KV cache (kv_cache_dtype 'auto' on AVX-512 or AVX2) and
   a bfloat16 one against a float32 one.
 
 All sides are Shoal's engine on the same file: `quantization` auto (the file's blocks and

@@ -32,9 +32,9 @@ class EngineConfig(BaseModel):
         "auto",
         description="What the KV cache holds: the model's dtype, or float16 or bfloat16 under a "
         "float32 model. 'auto': float16 (llama.cpp's default) for a quantized model that `dtype` "
-        "'auto' computes in float32 on a CPU with the AVX-512 kernels (half the bytes a step's "
-        "attention reads, twice the tokens per GiB), else the model's dtype. Without AVX-512 the "
-        "kernels read a 16-bit cache one element at a time: slower than float32.",
+        "'auto' computes in float32 on a CPU whose kernels read 16 bits in vectors (AVX-512 or "
+        "AVX2; half the bytes a step's attention reads, twice the tokens per GiB), else the "
+        "model's dtype. Without them a 16-bit cache is read one element at a time: slower.",
     )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(

@@ -30,14 +30,14 @@ def kv_cache_dtype(
 ) -> torch.dtype:
     """The KV cache's element type (EngineConfig.kv_cache_dtype). 'auto' stores a
     quantized model's keys and values in float16, as llama.cpp does, where it computes in
-    float32 (`dtype` 'auto' on a CPU) and the AVX-512 kernels read them (one conversion
-    instruction per 16): at 32 sequences a step's attention then read half the bytes and
-    took 40% less time. float16's 10 significant bits cost less than bfloat16's 7
-    (perplexity +0.3% against +0.5% on the default GGUF). A float model, and a float32
-    `dtype` asked for, keep their own dtype."""
+    float32 (`dtype` 'auto' on a CPU) and the kernels read 16 bits in vectors (one
+    conversion instruction per 16 or 8): at 32 sequences a step's attention then read
+    half the bytes and took 40% less time with AVX-512, 25-30% with AVX2. float16's 10
+    significant bits cost less than bfloat16's 7 (perplexity +0.3% against +0.5% on the
+    default GGUF). A float model, and a float32 `dtype` asked for, keep their own dtype."""
     model = loaded.dtype
     if config.kv_cache_dtype == "auto":
-        fast_16 = isinstance(backend, TorchPagedAttention) and backend.has_prefill_kernel
+        fast_16 = isinstance(backend, TorchPagedAttention) and backend.reads_16_bit_cache_fast
         quantized = quantized_bytes(loaded.model) > 0  # never under TP: shards dequantize
         if config.dtype == "auto" and model == torch.float32 and fast_16 and quantized:
             return torch.float16

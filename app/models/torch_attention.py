@@ -104,6 +104,12 @@ class TorchPagedAttention(AttentionBackend):
     def has_prefill_kernel(self) -> bool:
         return self.kernels is not None and self.kernels.has_prefill_kernel()
 
+    @property
+    def reads_16_bit_cache_fast(self) -> bool:
+        """Whether a float16 or bfloat16 cache is read in vector registers (AVX-512 or
+        AVX2 kernels), which then read half the bytes of a float32 one."""
+        return self.kernels is not None and self.kernels.reads_16_bit_cache_fast()
+
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:

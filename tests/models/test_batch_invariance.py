@@ -18,7 +18,7 @@ OTHERS = [list(range(200, 260)), [42, 43, 44], list(range(900, 1000))]
 
 @pytest.fixture(scope="module", params=["float32", "float16"])
 def kv_cache_dtype(request) -> str:
-    """float32, and float16: what kv_cache_dtype 'auto' gives the default GGUF on AVX-512."""
+    """float32, and float16: what kv_cache_dtype 'auto' gives the default GGUF on AVX-512 or AVX2."""
     return request.param
 
 

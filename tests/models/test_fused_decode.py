@@ -73,7 +73,7 @@ def test_default_model_fused_equals_python(default_engine: LLMEngine, batch: int
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
 def test_16_bit_cache_fused_equals_python(default_engine: LLMEngine, kv_cache_dtype: str):
     """A float32 model over a 16-bit KV cache (float16 is what kv_cache_dtype 'auto' picks
-    for the default GGUF on AVX-512): both paths round keys and values alike and read
+    for the default GGUF on AVX-512 or AVX2): both paths round keys and values alike and read
     them alike."""
     engine = LLMEngine(
         EngineConfig(
@@ -178,8 +178,8 @@ def test_auto_dtype_keeps_a_bf16_cpu_on_the_fused_path(tmp_path: Path, monkeypat
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     quantized = cpu_engine(path, dtype="auto")
     assert quantized.runner.dtype == torch.float32
-    # float16 keys and values where the AVX-512 kernels read them (kv_cache_dtype 'auto')
-    vectorised = quantized.runner.backend.has_prefill_kernel
+    # float16 keys and values where the kernels read them in vectors (kv_cache_dtype 'auto')
+    vectorised = quantized.runner.backend.reads_16_bit_cache_fast
     assert quantized.runner.kv_dtype == (torch.float16 if vectorised else torch.float32)
     assert quantized.runner.k_caches[0].dtype == quantized.runner.kv_dtype
     assert quantized.loaded.model.model.fused_decode
@@ -192,13 +192,13 @@ def test_auto_dtype_keeps_a_bf16_cpu_on_the_fused_path(tmp_path: Path, monkeypat
 
 def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path, monkeypatch):
     # 'auto' on a CPU without bfloat16 instructions: float32 models, a 16-bit cache only
-    # for a quantized one, and only where the AVX-512 kernels read it
+    # for a quantized one, and only where the kernels read it in vectors
     monkeypatch.setattr(engine_config, "cpu_has_bf16", lambda: False)
     directory = save_family_checkpoint(tmp_path, "qwen3")
     floats = cpu_engine(directory, dtype="auto")
     assert floats.runner.dtype == floats.runner.kv_dtype == torch.float32
     quantized = cpu_engine(directory, dtype="auto", quantization="int8")
-    vectorised = quantized.runner.backend.has_prefill_kernel
+    vectorised = quantized.runner.backend.reads_16_bit_cache_fast
     assert quantized.runner.kv_dtype == (torch.float16 if vectorised else torch.float32)
     assert (
         cpu_engine(directory, dtype="float32", quantization="int8").runner.kv_dtype == torch.float32

@@ -5,17 +5,22 @@ window and a logit softcap.
 Three paths: "torch" (gathers, SDPA), "kernels" (what this CPU runs: the decode kernel,
 and the prefill kernel where it is vectorised, else SDPA) and "prefill_kernel" (both
 kernels, the prefill one even in its scalar build, so that its tiling and key ranges are
-checked on any CPU)."""
+checked on any CPU); on an AVX-512 CPU a fourth, "kernels_avx2": the AVX2 build's decode
+kernel, as a CPU without AVX-512 runs it."""
 
 import pytest
 import torch
 
+from app.models import cpu_kernels
 from app.models.attention import BatchLayout
+from app.models.kernel_build import cpu_signature
 from app.models.torch_attention import TorchPagedAttention
 from tests.helpers import dense_reference
 
 NKV, NH, HD, BS, NBLOCKS = 2, 6, 32, 4, 96
-PATHS = ["torch", "kernels", "prefill_kernel"]
+# Without AVX-512 the native build is the AVX2 one: a second is no news.
+AVX512 = "avx512f" in cpu_signature().decode().split()
+PATHS = ["torch", "kernels", "prefill_kernel", *(["kernels_avx2"] if AVX512 else [])]
 WINDOWS = [0, 1, 5, 8]  # none; only itself; not a multiple of the block size; a multiple
 SOFTCAPS = [0.0, 50.0]
 # Three decodes; a chunk after a cached prefix; a chunk that spans two query tiles and
@@ -27,6 +32,9 @@ def make_backend(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchPagedAttent
     backend = TorchPagedAttention(torch.device("cpu"))
     if path == "torch":
         backend.kernels = None
+    elif path == "kernels_avx2":  # compiled nowhere else on an AVX-512 CPU
+        backend.kernels = cpu_kernels.load("avx2")
+        assert backend.kernels is not None and not backend.kernels.has_prefill_kernel()
     else:
         assert backend.kernels is not None, "C++ kernels failed to build"
     if path == "prefill_kernel":
@@ -122,14 +130,15 @@ def test_16_bit_cache_under_float32_queries(path, cache_dtype, window, softcap, 
     batch.check(out, window, softcap)
 
 
+@pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("kernels")])
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hd", [HD, 40])  # 40: a vectorised row store's scalar tail
-def test_16_bit_cache_write_rounds_as_torch(cache_dtype, hd, monkeypatch):
+def test_16_bit_cache_write_rounds_as_torch(path, cache_dtype, hd, monkeypatch):
     """Float32 keys stored in a 16-bit cache by the write kernel are torch's .to() of
     them, ties to even included; a NaN stays a NaN and infinities (and float16's
     overflows) stay infinite; nothing lands outside the named slots. (The torch path
     writes k.to(cache dtype) itself.)"""
-    kernels = make_backend("kernels", monkeypatch).kernels
+    kernels = make_backend(path, monkeypatch).kernels
     shape = (8, NKV, BS, hd)
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
     k, v = torch.randn(3, NKV, hd) * 100, torch.randn(3, NKV, hd)

@@ -12,45 +12,60 @@ import os
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 from app.models.kernel_build import build_extension, cpu_signature
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
+_modules: dict[str, ModuleType | None] = {}
 
 
 SOURCES = ("kernels.cpp", "decode_attention.h", "norm_rope.h", "silu_mul.h", "vector_math.h")
 
+# The builds: "native" (the CPU's own, what serving uses) and "avx2", what a CPU without
+# AVX-512 builds, compiled on an AVX-512 CPU only by tests: there its attention code is
+# otherwise never compiled.
+Build = Literal["native", "avx2"]
+_BUILD_FLAGS: dict[str, list[str]] = {
+    "native": [],
+    "avx2": ["-mno-avx512f"],  # and with it every AVX-512 extension
+}
 
-def _build_signature() -> str:
-    """CPU flags and sources in one hash, for the build's cache name: -march=native makes a
-    build valid only on CPUs with the same features, and an edited source must not find
-    an older build of itself under the same name."""
-    digest = hashlib.sha1(cpu_signature())
+
+def _build_signature(build: Build = "native") -> str:
+    """CPU flags, build flags and sources in one hash, for the build's cache name:
+    -march=native makes a build valid only on CPUs with the same features, and an edited
+    source must not find an older build of itself under the same name."""
+    digest = hashlib.sha1(cpu_signature() + " ".join(_BUILD_FLAGS[build]).encode())
     for name in SOURCES:
         digest.update(Path(__file__).with_name(name).read_bytes())
     return digest.hexdigest()[:10]
 
 
-def load() -> ModuleType | None:
-    global _module, _tried
+def load(build: Build = "native") -> ModuleType | None:
+    if build not in _BUILD_FLAGS:
+        raise ValueError(f"no build {build!r}: one of {sorted(_BUILD_FLAGS)}")
     with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        if os.environ.get("SHOAL_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            source = Path(__file__).with_name("kernels.cpp")
-            _module = build_extension(
-                f"shoal_cpu_kernels_{_build_signature()}",
-                [str(source)],
-                ["-O3", "-march=native", "-fopenmp"],
-                ["-fopenmp"],
-            )
-        except Exception as exc:  # no compiler, no headers: the torch path still works
-            logger.warning("CPU paged-attention kernels unavailable, using torch ops: %s", exc)
-            _module = None
-        return _module
+        if build in _modules:
+            return _modules[build]
+        module = None
+        if os.environ.get("SHOAL_CPU_KERNELS", "1") != "0":
+            module = _build(build)
+        _modules[build] = module
+        return module
+
+
+def _build(build: Build) -> ModuleType | None:
+    # The native build keeps its old cache name, which scripts/setup.sh builds ahead.
+    suffix = "" if build == "native" else f"{build}_"
+    try:
+        return build_extension(
+            f"shoal_cpu_kernels_{suffix}{_build_signature(build)}",
+            [str(Path(__file__).with_name("kernels.cpp"))],
+            ["-O3", "-march=native", "-fopenmp", *_BUILD_FLAGS[build]],
+            ["-fopenmp"],
+        )
+    except Exception as exc:  # no compiler, no headers: the torch path still works
+        logger.warning("CPU paged-attention kernels unavailable, using torch ops: %s", exc)
+        return None

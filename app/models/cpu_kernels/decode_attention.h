@@ -116,20 +116,20 @@ DecodeItemFn<scalar_t> pick_decode_item(int64_t G, int64_t hd) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(SHOAL_CPU_AVX2)
 // out[g] = sum over keys [lo, ctx) of p[g * len + j - lo] * v_j for the G query heads of a
 // kv head, head_dim = 8 * NC: axpy's FMAs in axpy's order (the same bits), with out's NC
 // vectors in registers across a block's keys. The heads take turns block by block, so a
 // block's values are read from memory once for all G heads and then from L1; head by head
 // over the whole context (which read every value row G times from L2) took 40% of a
 // prompt's token-by-token attention.
-template <int NC>
-void value_sums(const float* p, int64_t G, int64_t len, const float* vp, const int32_t* table, int64_t lo,
+template <typename cache_t, int NC>
+void value_sums(const float* p, int64_t G, int64_t len, const cache_t* vp, const int32_t* table, int64_t lo,
                 int64_t ctx, int64_t bs, int64_t block_stride, int64_t head_off, float* out) {
   constexpr int64_t hd = NC * 8;
   std::fill(out, out + G * hd, 0.f);
   for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {
-    const float* vb = vp + table[b] * block_stride + head_off;
+    const cache_t* vb = vp + table[b] * block_stride + head_off;
     const int64_t n = std::min(bs, ctx - start), t0 = std::max<int64_t>(lo - start, 0);
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = p + g * len;  // key start + t at start + t - lo
@@ -138,21 +138,23 @@ void value_sums(const float* p, int64_t G, int64_t len, const float* vp, const i
       for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(og + c * 8);
       for (int64_t t = t0; t < n; ++t) {
         const __m256 w = _mm256_set1_ps(pg[start + t - lo]);
-        for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + t * hd + c * 8), acc[c]);
+        for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(vb + t * hd + c * 8), acc[c]);
       }
       for (int c = 0; c < NC; ++c) _mm256_storeu_ps(og + c * 8, acc[c]);
     }
   }
 }
 
-using ValueSumsFn = void (*)(const float*, int64_t, int64_t, const float*, const int32_t*, int64_t, int64_t,
+template <typename cache_t>
+using ValueSumsFn = void (*)(const float*, int64_t, int64_t, const cache_t*, const int32_t*, int64_t, int64_t,
                              int64_t, int64_t, int64_t, float*);
 
-inline ValueSumsFn pick_value_sums(int64_t hd) {
+template <typename cache_t>
+ValueSumsFn<cache_t> pick_value_sums(int64_t hd) {
   switch (hd) {
-    case 32: return value_sums<4>;
-    case 64: return value_sums<8>;
-    case 128: return value_sums<16>;
+    case 32: return value_sums<cache_t, 4>;
+    case 64: return value_sums<cache_t, 8>;
+    case 128: return value_sums<cache_t, 16>;
     default: return nullptr;
   }
 }
@@ -178,8 +180,8 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 #if defined(__AVX512F__)
   const DecodeItemFn<cache_t> fast = pick_decode_item<cache_t>(G, hd);
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  const ValueSumsFn sums = pick_value_sums(hd);
+#if defined(SHOAL_CPU_AVX2)
+  const ValueSumsFn<cache_t> sums = pick_value_sums<cache_t>(hd);
 #endif
   // Items from both ends in turn: threads take contiguous ranges, and a prompt attended
   // token by token (TorchPagedAttention.token_by_token) lists its tokens in position
@@ -222,9 +224,8 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         const cache_t* kb = kp + table[b] * block_stride + h * head_stride;
         const int64_t n = std::min(bs, ctx - start);
         int64_t t = std::max<int64_t>(lo - start, 0);
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-        if constexpr (std::is_same_v<cache_t, float>)
-          if (hd % 16 == 0)
+#if defined(SHOAL_CPU_AVX2)
+        if (hd % 16 == 0)
             for (; t + 8 <= n; t += 8)
               for (int64_t g = 0; g < G; ++g)
                 dot8(qf.data() + g * hd, kb + t * hd, hd, scores.data() + g * len + start + t - lo);
@@ -237,13 +238,11 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         for (int64_t g = 0; g < G; ++g) softcap_row(scores.data() + g * len, len, cap);
       for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-      if constexpr (std::is_same_v<cache_t, float>) {
-        if (sums != nullptr) {
-          sums(scores.data(), G, len, vp, table, lo, ctx, bs, block_stride, h * head_stride, acc.data());
-          store(s, h);
-          continue;
-        }
+#if defined(SHOAL_CPU_AVX2)
+      if (sums != nullptr) {
+        sums(scores.data(), G, len, vp, table, lo, ctx, bs, block_stride, h * head_stride, acc.data());
+        store(s, h);
+        continue;
       }
 #endif
       for (int64_t b = lo / bs, start = b * bs; start < ctx; ++b, start += bs) {

@@ -298,6 +298,16 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
 // torch's SDPA, so the backend uses it only here.
 bool has_prefill_kernel() { return kVectorized; }
 
+// Whether the decode kernel reads float16 and bfloat16 caches in vector registers
+// (AVX-512 or AVX2); plain loops convert one element at a time, slower than float32.
+bool reads_16_bit_cache_fast() {
+#if defined(__AVX512F__) || defined(SHOAL_CPU_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
@@ -319,6 +329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention, one query token per sequence", no_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention over query chunks", no_gil());
   m.def("has_prefill_kernel", &has_prefill_kernel, "whether paged_prefill_attention is vectorised (AVX-512)");
+  m.def("reads_16_bit_cache_fast", &reads_16_bit_cache_fast, "whether 16-bit caches are read in vectors");
   m.def("rms_norm", &rms_norm, "RMSNorm with float32 arithmetic", no_gil());
   m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE applied in place to the leading heads", no_gil());
   m.def("silu_mul", &shoal_cpu::silu_mul, "silu(gate) * up of a (T, 2 * inter) float32 gate|up product", no_gil());

@@ -17,7 +17,7 @@
 
 namespace shoal_cpu {
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(SHOAL_CPU_AVX2)
 // silu(x) = x / (1 + e^-x) = x e^x / (1 + e^x): both forms from e = exp(-|x|) <= 1, the
 // range exp8 covers. A NaN stays NaN. exp8 stops at e^-87.3, so below x = -87.3 this
 // gives x * 1.2e-38 rather than ~0: the same value in every row, which is what matters
@@ -44,7 +44,7 @@ inline at::Tensor silu_mul(const at::Tensor& gate_up) {
                   gate_up.size(1) > 0 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "gate_up must be (T, 2 * inter) float32 on the CPU with contiguous rows");
   const int64_t T = gate_up.size(0), inter = gate_up.size(1) / 2;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(SHOAL_CPU_AVX2)
   at::Tensor out = at::empty({T, inter}, gate_up.options());
   const float* src = gate_up.data_ptr<float>();
   float* dst = out.data_ptr<float>();

@@ -13,6 +13,11 @@
 #include <type_traits>
 #include <vector>
 
+// The AVX2 code paths (a CPU without AVX-512): every such CPU also has FMA and F16C.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SHOAL_CPU_AVX2 1
+#endif
+
 namespace shoal_cpu {
 
 // Load 16 elements as floats. bf16 -> fp32 is a 16-bit shift; the compiler gets
@@ -137,26 +142,37 @@ inline void softmax(float* row, int64_t n) {
 }
 #else
 constexpr bool kVectorized = false;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(SHOAL_CPU_AVX2)
 #include <immintrin.h>
+// Load 8 elements as floats (a 16-bit cache widened in registers, as load16 does).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // AVX2 machines (no AVX-512): the decode kernel's dot products and value sums in 8-wide
-// FMAs for float32 caches. The scalar loop below is one serial chain of dependent adds
-// (strict FP order keeps the compiler from vectorising it): 64-wide heads took ~50 us
-// per layer of SmolLM2's decode, most of the step's attention time.
-inline float dot(const float* q, const float* k, int64_t n) {
+// FMAs, from caches of any of our dtypes. The scalar loop below is one serial chain of
+// dependent adds (strict FP order keeps the compiler from vectorising it): 64-wide heads
+// took ~50 us per layer of SmolLM2's decode, most of the step's attention time.
+template <typename cache_t>
+inline float dot(const float* q, const cache_t* k, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
   }
-  for (; d + 8 <= n; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+  for (; d + 8 <= n; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
   const __m256 a = _mm256_add_ps(a0, a1);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   float acc = _mm_cvtss_f32(s);
-  for (; d < n; ++d) acc += q[d] * k[d];
+  for (; d < n; ++d) acc += q[d] * static_cast<float>(k[d]);
   return acc;
 }
 
@@ -164,14 +180,15 @@ inline float dot(const float* q, const float* k, int64_t n) {
 // dot() (each row's two chains, then its lanes summed in dot's order), but the eight
 // reductions share a transpose, where dot() spent six dependent shuffles and adds on each
 // key, a third of a decode's attention.
-inline void dot8(const float* q, const float* k, int64_t n, float* out) {
+template <typename cache_t>
+inline void dot8(const float* q, const cache_t* k, int64_t n, float* out) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) {
-    const float* ki = k + i * n;
+    const cache_t* ki = k + i * n;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t d = 0; d < n; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(ki + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(ki + d + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(ki + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(ki + d + 8), a1);
     }
     a[i] = _mm256_add_ps(a0, a1);
   }
@@ -193,12 +210,13 @@ inline void dot8(const float* q, const float* k, int64_t n, float* out) {
   _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-inline void axpy(float* acc, float w, const float* v, int64_t n) {
+template <typename cache_t>
+inline void axpy(float* acc, float w, const cache_t* v, int64_t n) {
   const __m256 wv = _mm256_set1_ps(w);
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
-  for (; d < n; ++d) acc[d] += w * v[d];
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(acc + d)));
+  for (; d < n; ++d) acc[d] += w * static_cast<float>(v[d]);
 }
 
 // exp16's polynomial, 8 wide. Quantized models attend every prompt token through the
@@ -242,8 +260,7 @@ inline void softmax(float* row, int64_t n) {
   for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), inv));
   for (; j < n; ++j) row[j] *= 1.f / total;
 }
-#endif
-
+#else  // plain loops
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t n) {
   float acc = 0.f;
@@ -256,7 +273,6 @@ inline void axpy(float* acc, float w, const scalar_t* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += w * static_cast<float>(v[d]);
 }
 
-#if !(defined(__AVX2__) && defined(__FMA__))  // else the AVX2 one above
 inline void softmax(float* row, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
