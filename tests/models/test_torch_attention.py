@@ -34,7 +34,9 @@ def make_backend(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchPagedAttent
         backend.kernels = None
     elif path == "kernels_avx2":  # compiled nowhere else on an AVX-512 CPU
         backend.kernels = cpu_kernels.load("avx2")
-        assert backend.kernels is not None and not backend.kernels.has_prefill_kernel()
+        kernels = backend.kernels
+        assert kernels is not None and not kernels.has_prefill_kernel()
+        assert kernels.reads_16_bit_cache_fast()  # the AVX2 code, not plain loops
     else:
         assert backend.kernels is not None, "C++ kernels failed to build"
     if path == "prefill_kernel":

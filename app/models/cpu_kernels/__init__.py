@@ -2,8 +2,9 @@
 compiled by scripts/setup.sh or on first use (app.models.kernel_build, about 40 s once per
 machine and source) and cached under ~/.cache/torch_extensions.
 
-`load()` returns the compiled module, or None when there is no compiler, the build
-fails, or SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
+`load()` returns the compiled module (`load("avx2")`: the build a CPU without AVX-512
+gets, for tests), or None when there is no compiler, the build fails, or
+SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
 """
 
 import hashlib

@@ -1,6 +1,6 @@
 // Vector helpers of the CPU kernels: loads of any of our dtypes as float32, dot products,
-// value sums, exp, softmax and soft-capping, in AVX-512, AVX2 (float32 decode) or scalar
-// builds. Shared by kernels.cpp and the quantised decode layer (app/models/quant).
+// value sums, exp, softmax, soft-capping and 16-bit cache stores, in AVX-512, AVX2 or
+// scalar builds. Shared by kernels.cpp and the quantised decode layer (app/models/quant).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -13,8 +13,8 @@
 #include <type_traits>
 #include <vector>
 
-// The AVX2 code paths (a CPU without AVX-512): every such CPU also has FMA and F16C.
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The AVX2 code paths (a CPU without AVX-512, with FMA).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define SHOAL_CPU_AVX2 1
 #endif
 
@@ -147,7 +147,11 @@ constexpr bool kVectorized = false;
 // Load 8 elements as floats (a 16-bit cache widened in registers, as load16 does).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
+#if defined(__F16C__)  // every AVX2 CPU has it; a VM may hide it
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm256_setr_ps(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
+#endif
 }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
