@@ -21,6 +21,8 @@ import fcntl
 import os
 import shutil
 import sys
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -79,3 +81,30 @@ def build_extension(
             build_directory=str(directory),
             verbose=False,
         )
+
+
+class Builds:
+    """The builds of one extension (native, avx2, ...), each compiled at most once per
+    process: `compile(build)` returns the module or None (no compiler, a failed build),
+    and `disabled_by`=0 in the environment makes every build None."""
+
+    def __init__(
+        self,
+        names: Iterable[str],
+        disabled_by: str,
+        compile: Callable[[str], ModuleType | None],  # noqa: A002 (what it does)
+    ) -> None:
+        self.names = sorted(names)
+        self.disabled_by = disabled_by
+        self.compile = compile
+        self._lock = threading.Lock()
+        self._modules: dict[str, ModuleType | None] = {}
+
+    def load(self, build: str) -> ModuleType | None:
+        if build not in self.names:
+            raise ValueError(f"no build {build!r}: one of {self.names}")
+        with self._lock:
+            if build not in self._modules:
+                enabled = os.environ.get(self.disabled_by, "1") != "0"
+                self._modules[build] = self.compile(build) if enabled else None
+            return self._modules[build]

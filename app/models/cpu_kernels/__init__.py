@@ -9,17 +9,13 @@ SHOAL_CPU_KERNELS=0; callers then fall back to plain torch.
 
 import hashlib
 import logging
-import os
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
-from app.models.kernel_build import build_extension, cpu_signature
+from app.models.kernel_build import Builds, build_extension, cpu_signature
 
 logger = logging.getLogger(__name__)
-_lock = threading.Lock()
-_modules: dict[str, ModuleType | None] = {}
 
 
 SOURCES = ("kernels.cpp", "decode_attention.h", "norm_rope.h", "silu_mul.h", "vector_math.h")
@@ -44,19 +40,6 @@ def _build_signature(build: Build = "native") -> str:
     return digest.hexdigest()[:10]
 
 
-def load(build: Build = "native") -> ModuleType | None:
-    if build not in _BUILD_FLAGS:
-        raise ValueError(f"no build {build!r}: one of {sorted(_BUILD_FLAGS)}")
-    with _lock:
-        if build in _modules:
-            return _modules[build]
-        module = None
-        if os.environ.get("SHOAL_CPU_KERNELS", "1") != "0":
-            module = _build(build)
-        _modules[build] = module
-        return module
-
-
 def _build(build: Build) -> ModuleType | None:
     # The native build keeps its old cache name, which scripts/setup.sh builds ahead.
     suffix = "" if build == "native" else f"{build}_"
@@ -70,3 +53,10 @@ def _build(build: Build) -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers: the torch path still works
         logger.warning("CPU paged-attention kernels unavailable, using torch ops: %s", exc)
         return None
+
+
+_builds = Builds(_BUILD_FLAGS, "SHOAL_CPU_KERNELS", _build)
+
+
+def load(build: Build = "native") -> ModuleType | None:
+    return _builds.load(build)

@@ -27,14 +27,13 @@ dequantise with gguf's numpy code and use torch (exact, slow).
 import hashlib
 import logging
 import os
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
 import torch
 
-from app.models.kernel_build import build_extension, cpu_signature
+from app.models.kernel_build import Builds, build_extension, cpu_signature
 from app.models.quant.formats import QuantType, dequantize
 from app.models.quant.packed_weight import PackedWeight
 from app.models.quant.packing import dequantize_packed, pack, unpack
@@ -54,8 +53,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_lock = threading.Lock()
-_modules: dict[str, ModuleType | None] = {}
 # Read per call by matmul: tests (and a caller wanting exact products) may set it.
 float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "int8") == "float"
 _SOURCES = (
@@ -96,20 +93,6 @@ def _build_signature(build: Build) -> str:
     return digest.hexdigest()[:10]
 
 
-def load(build: Build = "native") -> ModuleType | None:
-    """The compiled kernels (one of the builds above), or None."""
-    if build not in _BUILD_FLAGS:
-        raise ValueError(f"no build {build!r}: one of {sorted(_BUILD_FLAGS)}")
-    with _lock:
-        if build in _modules:
-            return _modules[build]
-        module = None
-        if os.environ.get("SHOAL_QUANT_KERNELS", "1") != "0":
-            module = _build(build)
-        _modules[build] = module
-        return module
-
-
 def _build(build: Build) -> ModuleType | None:
     try:
         return build_extension(
@@ -121,6 +104,14 @@ def _build(build: Build) -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers: the torch path still works
         logger.warning("quantised-weight kernels unavailable, dequantising instead: %s", exc)
         return None
+
+
+_builds = Builds(_BUILD_FLAGS, "SHOAL_QUANT_KERNELS", _build)
+
+
+def load(build: Build = "native") -> ModuleType | None:
+    """The compiled kernels (one of the builds above), or None."""
+    return _builds.load(build)
 
 
 def available() -> bool:
