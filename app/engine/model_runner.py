@@ -1,22 +1,50 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into logits."""
 
 import logging
-from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from app.engine.config import EngineConfig, check_kv_cache_dtype
+from app.engine.decode_graphs import DecodeGraphs
+from app.engine.input_batch import InputBatch, StepInputs
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
-from app.models.attention import AttentionBackend, BatchLayout, select_backend
-from app.models.decoder import DecoderForCausalLM
+from app.models.attention import AttentionBackend, select_backend
+from app.models.decoder import (
+    Attention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderModel,
+    RMSNorm,
+)
+from app.models.dense_mlp import DenseMLP
 from app.models.loader import LoadedModel, load_model
 from app.models.parallel import TPGroup
 from app.models.quantized_model import quantized_bytes
+from app.models.rope import RotaryEmbedding
 from app.models.source import resolve_model
 from app.models.torch_attention import TorchPagedAttention
+from app.models.triton_attention import TritonPagedAttention
 
 logger = logging.getLogger(__name__)
+
+# What a CUDA graph of a decode step may hold: no routing on values (experts), no
+# quantized kernels, no host work inside the forward.
+GRAPH_SAFE_MODULES = frozenset(
+    (
+        DecoderForCausalLM,
+        DecoderModel,
+        DecoderLayer,
+        Attention,
+        RMSNorm,
+        DenseMLP,
+        RotaryEmbedding,
+        nn.Linear,
+        nn.Embedding,
+        nn.ModuleList,
+    )
+)
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -45,7 +73,9 @@ def kv_cache_dtype(
         return model
     dtype = getattr(torch, config.kv_cache_dtype)
     check_kv_cache_dtype(model, dtype)
-    if dtype != model and not isinstance(backend, TorchPagedAttention):
+    # Both widen what they read to float32; FlashAttention reads the model's dtype only.
+    widening = (TorchPagedAttention, TritonPagedAttention)
+    if dtype != model and not isinstance(backend, widening):
         raise ValueError(
             f"the {backend.name} attention backend keeps the model's dtype in its cache"
         )
@@ -94,17 +124,6 @@ def load_runner(
     return loaded, runner
 
 
-@dataclass
-class StepInputs:
-    """One forward pass, as every shard needs it: small, picklable, no tensors."""
-
-    input_ids: list[int]
-    positions: list[int]
-    layout: BatchLayout
-    logits_rows: list[int]
-    copies: list[tuple[int, int]]  # (src, dst) blocks to copy first (copy-on-write)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -116,16 +135,21 @@ class ModelRunner:
     ) -> None:
         model = self.model = loaded.model
         self.backend = backend
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the block manager's; the cache holds one more
+        self.scratch_block = num_blocks  # written only by a padded decode (DecodeGraphs)
         self.block_size = config.block_size
         self.device = config.torch_device
         self.dtype = loaded.dtype  # what the model computes in
         self.kv_dtype = kv_dtype  # what its cache holds
         arch = model.local
         shape = backend.kv_cache_shape(
-            num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim
+            num_blocks + 1, config.block_size, arch.num_kv_heads, arch.head_dim
         )
         self.num_kv_heads = arch.num_kv_heads
+        self.max_num_seqs = config.max_num_seqs
+        self.max_blocks = -(-loaded.max_model_len // config.block_size)
+        self.inputs = InputBatch(config.max_num_seqs, self.max_blocks, config.block_size)
+        self.decode_graphs: DecodeGraphs | None = None
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         for _ in model.model.layers:
@@ -138,6 +162,35 @@ class ModelRunner:
             shape,
             kv_dtype,
         )
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.use_decode_graphs(capture=True)
+
+    def use_decode_graphs(self, capture: bool) -> bool:
+        """Run all-decode steps through DecodeGraphs' static buffers, replaying captured
+        CUDA graphs when `capture` (else eagerly: the CPU tests' path), which only models
+        `graph_unsafe_reason` accepts may do; False when not used, and why is logged."""
+        reason = graph_unsafe_reason(self.model) if capture else None
+        if reason is None:
+            try:
+                graphs = DecodeGraphs(
+                    self.model,
+                    self.backend,
+                    self.max_num_seqs,
+                    self.max_blocks,
+                    self.scratch_block,
+                    self.block_size,
+                    self.device,
+                )
+            except NotImplementedError as exc:
+                reason = str(exc)
+        if reason is not None:
+            logger.info("decode steps run eagerly: %s", reason)
+            return False
+        self._bind_caches()
+        if capture:
+            graphs.capture()
+        self.decode_graphs = graphs
+        return True
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward pass. Returns logits (S, vocab) in the model's dtype, on the
@@ -149,31 +202,7 @@ class ModelRunner:
         return self.execute(step), sampled
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, context_lens, tables = [], [], []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        bs = self.block_size
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            context_lens.append(end)
-            tables.append(table)
-            if end == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        num_decodes = sum(1 for n in query_lens if n == 1)
-        layout = BatchLayout(query_lens, context_lens, tables, slots, num_decodes, bs)
-        copies = [(c.src, c.dst) for c in batch.copies]
-        return StepInputs(input_ids, positions, layout, logits_rows, copies), sampled
+        return self.inputs.prepare(batch)
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:
@@ -181,6 +210,8 @@ class ModelRunner:
         self._bind_caches()
         if step.copies:
             self._copy_blocks(step.copies)
+        if self.decode_graphs is not None and self.decode_graphs.fits(step):
+            return self.decode_graphs.run(step)
         metadata = self.backend.build_metadata(step.layout, self.num_kv_heads, self.device)
         return self.model(
             self._to_device(step.input_ids),
@@ -189,12 +220,11 @@ class ModelRunner:
             self._to_device(step.logits_rows),
         )
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """Step metadata to the device; on CUDA through pinned memory, without blocking."""
+    def _to_device(self, values: torch.Tensor) -> torch.Tensor:
+        """Step inputs to the device; on CUDA through pinned memory, without blocking."""
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long)
-        host = torch.tensor(values, dtype=torch.long, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
+            return values
+        return values.pin_memory().to(self.device, non_blocking=True)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """(layers, 2, len(blocks), ...) copies of those blocks' K and V, on the CPU."""
@@ -225,3 +255,15 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for k, v in zip(self.k_caches, self.v_caches, strict=True):
             self.backend.copy_blocks(k, v, src, dst)
+
+
+def graph_unsafe_reason(model: DecoderForCausalLM) -> str | None:
+    """Why a captured graph could not replay this model's decode step, or None. An
+    allowlist of the modules a graph is known to hold (dense layers of float weights,
+    one device), so that a new kind of layer never reaches a graph untested."""
+    if model.tp.enabled:
+        return "tensor parallelism (its collectives are not captured)"
+    for module in model.modules():
+        if type(module) not in GRAPH_SAFE_MODULES:  # exact types: a subclass may differ
+            return f"{type(module).__name__} layers"
+    return None

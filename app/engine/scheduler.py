@@ -31,6 +31,11 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[CopyOnWrite] = field(default_factory=list)
     scheduled: set[int] = field(default_factory=set)  # seq_ids of `seqs`
+    # For the runner's persistent rows (app.engine.input_batch): sequences whose block
+    # table changed other than by appending (copy-on-write), and those that left the
+    # running set (finished, aborted, preempted) since the last batch.
+    tables_changed: set[int] = field(default_factory=set)
+    left: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Sequence, None] = {}  # ordered set, oldest first
         self.num_preemptions = 0
+        self._left: list[int] = []  # seq_ids that left `running` since the last batch
 
     # ---- admission ----------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -145,6 +151,8 @@ class Scheduler:
             budget -= n
         if not preempted:
             self._admit_waiting(batch, budget)
+        if batch.seqs:  # an empty batch reaches no runner: departures wait for one
+            batch.left, self._left = self._left, []
         return batch
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
@@ -202,12 +210,14 @@ class Scheduler:
         cow = self.block_manager.append_slots(seq, n)
         if cow is not None:
             batch.copies.append(cow)
+            batch.tables_changed.add(seq.seq_id)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.scheduled.add(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         del self.running[seq]
+        self._left.append(seq.seq_id)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -241,6 +251,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             del self.running[seq]
+            self._left.append(seq.seq_id)
         elif seq in self.waiting:  # an abort before admission: rare enough for a scan
             self.waiting.remove(seq)
         if seq.context is None or reason is FinishReason.ABORT:

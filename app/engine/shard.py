@@ -16,7 +16,8 @@ import sys
 import torch
 
 from app.engine.config import EngineConfig
-from app.engine.model_runner import StepInputs, load_runner
+from app.engine.input_batch import StepInputs
+from app.engine.model_runner import load_runner
 from app.models.parallel import init_tp_group
 
 logger = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ into whatever metadata its kernels need (`build_metadata`, once per step) and th
 runs every layer's attention with it (`forward`). Backends own the KV cache layout.
 """
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -18,15 +19,31 @@ class BatchLayout:
 
     Invariants: sequences with one query token (decodes) come first, `num_decodes` of
     them; query tokens are laid out sequence after sequence in that order; a sequence's
-    query tokens are the last `query_lens[i]` of its `context_lens[i]` cached tokens.
+    query tokens are the last `query_lens[i]` of its `context_lens[i]` cached tokens;
+    row i of `block_tables` starts with the blocks holding those tokens, and any entry
+    past them is some valid block (kernels read only up to a context's length).
+    Lists given for the two tensors (tests) are converted, the tables padded with 0.
     """
 
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]  # cache slot (block * block_size + offset) of each query token
+    block_tables: torch.Tensor  # (S, nblk) int32 on the CPU
+    slot_mapping: torch.Tensor  # (T,) int64 on the CPU: block * block_size + offset
     num_decodes: int
     block_size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_tables, list):
+            padded = padded_block_tables(self.block_tables, self.context_lens, self.block_size)
+            object.__setattr__(self, "block_tables", torch.tensor(padded, dtype=torch.int32))
+        if isinstance(self.slot_mapping, list):
+            object.__setattr__(self, "slot_mapping", torch.tensor(self.slot_mapping).long())
+
+    def tables(self, lo: int, hi: int) -> torch.Tensor:
+        """(hi - lo, nblk) int32: the block tables of sequences lo..hi, cut to the blocks
+        the longest of their contexts needs."""
+        nblk = -(-max(self.context_lens[lo:hi]) // self.block_size)
+        return self.block_tables[lo:hi, :nblk]
 
 
 def padded_block_tables(
@@ -81,6 +98,12 @@ class AttentionBackend(ABC):
         of a forward whatever its window, so window-dependent state is built on demand.
         """
 
+    def decode_metadata(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> Any:
+        """Metadata of an all-decode step from tensors already on the device: slots (B,) int64,
+        tables (B, nblk) int32, lens (B,) int32. Device ops only (no host sync, no shape
+        that depends on values), so a CUDA graph can capture a forward that uses it."""
+        raise NotImplementedError(f"the {self.name} attention backend builds no decode metadata")
+
     def decode_inputs(self, metadata: Any) -> "DecodeInputs | None":
         """Where every token of the step is a decode the CPU kernels attend, what they
         take (fused decode layers run such steps in one call per layer); else None."""
@@ -96,8 +119,10 @@ class AttentionBackend(ABC):
 
 def select_backend(name: str, device: torch.device, block_size: int = 16) -> AttentionBackend:
     """'flash': FlashAttention-2 (CUDA, flash_attn installed, block_size a multiple of 256).
-    'torch': C++ kernels on CPU, gathers + SDPA elsewhere. 'auto': flash where it can run,
-    else torch."""
+    'triton': Triton kernels over the torch backend's layout (CUDA; on a CPU only under
+    Triton's interpreter, TRITON_INTERPRET=1, for tests). 'torch': C++ kernels on CPU,
+    gathers + SDPA elsewhere. 'auto': flash where it can run, else triton on CUDA, else
+    torch."""
     from app.models.flash_attention import PAGE_MULTIPLE, FlashAttentionBackend
     from app.models.flash_attention import flash_attn_available as flash_ok
     from app.models.torch_attention import TorchPagedAttention
@@ -108,6 +133,41 @@ def select_backend(name: str, device: torch.device, block_size: int = 16) -> Att
         return FlashAttentionBackend(block_size)
     if name == "auto" and device.type == "cuda" and block_size % PAGE_MULTIPLE == 0 and flash_ok():
         return FlashAttentionBackend(block_size)
+    if name == "triton":
+        _check_triton(device)
+        return _triton_backend()
+    if name == "auto" and device.type == "cuda" and _triton_imports():
+        return _triton_backend()
     if name in ("auto", "torch"):
         return TorchPagedAttention(device)
-    raise ValueError(f"attention backend {name!r} is not available (have: auto, torch, flash)")
+    raise ValueError(
+        f"attention backend {name!r} is not available (have: auto, torch, flash, triton)"
+    )
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_triton(device: torch.device) -> None:
+    if not _triton_imports():
+        raise ValueError("attention backend 'triton' needs the triton package")
+    if device.type == "cuda":
+        return
+    # The interpreter is chosen when a kernel is decorated, so it must be set before the
+    # kernels' module is first imported.
+    if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention backend 'triton' needs CUDA; on a CPU it runs only under Triton's "
+            "interpreter (TRITON_INTERPRET=1 before triton is imported), which is for tests"
+        )
+
+
+def _triton_backend() -> AttentionBackend:
+    from app.models.triton_attention import TritonPagedAttention
+
+    return TritonPagedAttention()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from app.models.attention import AttentionBackend, BatchLayout, padded_block_tables
+from app.models.attention import AttentionBackend, BatchLayout
 
 PAGE_MULTIPLE = 256  # FlashAttention-2: page_block_size % 256 == 0
 
@@ -84,22 +84,19 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> FlashMetadata:
         pin = device.type == "cuda"  # pinned host memory: the copies below do not block
 
-        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+        def to_device(values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            host = torch.as_tensor(values, dtype=dtype)
+            return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
-        d, total, bs = layout.num_decodes, len(layout.query_lens), layout.block_size
+        d, total = layout.num_decodes, len(layout.query_lens)
         meta = FlashMetadata(to_device(layout.slot_mapping, torch.long), d)
         if d:
             lens = layout.context_lens[:d]
-            meta.decode_tables = to_device(
-                padded_block_tables(layout.block_tables[:d], lens, bs), torch.int32
-            )
+            meta.decode_tables = to_device(layout.tables(0, d), torch.int32)
             meta.decode_lens = to_device(lens, torch.int32)
         if total > d:
             q_lens, lens = layout.query_lens[d:], layout.context_lens[d:]
-            meta.prefill_tables = to_device(
-                padded_block_tables(layout.block_tables[d:], lens, bs), torch.int32
-            )
+            meta.prefill_tables = to_device(layout.tables(d, total), torch.int32)
             meta.cu_q = to_device(_cumulative(q_lens), torch.int32)
             meta.cu_k = to_device(_cumulative(lens), torch.int32)
             meta.max_q, meta.max_k = max(q_lens), max(lens)

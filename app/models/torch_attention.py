@@ -16,12 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from app.models.attention import (
-    AttentionBackend,
-    BatchLayout,
-    DecodeInputs,
-    padded_block_tables,
-)
+from app.models.attention import AttentionBackend, BatchLayout, DecodeInputs
 
 
 @dataclass
@@ -64,9 +59,9 @@ class PrefillSpan:
 @dataclass
 class TorchAttentionMetadata:
     slots: torch.Tensor  # (T,) int64
-    slot_blocks: torch.Tensor  # (T,)
-    slot_offsets: torch.Tensor  # (T,)
     num_decodes: int
+    slot_blocks: torch.Tensor | None = None  # (T,) torch path
+    slot_offsets: torch.Tensor | None = None  # (T,) torch path
     kernel_decode: KernelBatch | None = None
     kernel_prefill: KernelBatch | None = None
     decode_gather_index: torch.Tensor | None = None  # (D, nkv, nblk), torch path
@@ -119,14 +114,10 @@ class TorchPagedAttention(AttentionBackend):
     def build_metadata(
         self, layout: BatchLayout, num_kv_heads: int, device: torch.device
     ) -> TorchAttentionMetadata:
-        bs = layout.block_size
-        slots = torch.tensor(layout.slot_mapping, dtype=torch.long)
-        meta = TorchAttentionMetadata(
-            slots=slots.to(device),
-            slot_blocks=(slots // bs).to(device),
-            slot_offsets=(slots % bs).to(device),
-            num_decodes=layout.num_decodes,
-        )
+        bs, slots = layout.block_size, layout.slot_mapping
+        meta = TorchAttentionMetadata(slots.to(device), layout.num_decodes)
+        if self.kernels is None:
+            meta.slot_blocks, meta.slot_offsets = (slots // bs).to(device), (slots % bs).to(device)
         d, total = layout.num_decodes, len(layout.query_lens)
         if self.kernels is not None and self.token_by_token and total > d:
             meta.kernel_decode = self._token_batch(layout)
@@ -144,6 +135,15 @@ class TorchPagedAttention(AttentionBackend):
                 meta.prefills = self._torch_prefills(layout, num_kv_heads, device)
         return meta
 
+    def decode_metadata(
+        self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    ) -> TorchAttentionMetadata:
+        """With the C++ kernels only: the gathers of the torch path would read every
+        block of a full-width static table, whatever the contexts' lengths."""
+        if self.kernels is None:
+            raise NotImplementedError("the torch backend's gathers need per-step tables")
+        return TorchAttentionMetadata(slots, len(slots), kernel_decode=KernelBatch(tables, lens))
+
     def decode_inputs(self, metadata: TorchAttentionMetadata) -> DecodeInputs | None:
         kb = metadata.kernel_decode
         if kb is None or metadata.num_decodes != metadata.slots.shape[0]:
@@ -154,45 +154,36 @@ class TorchPagedAttention(AttentionBackend):
     def _token_batch(layout: BatchLayout) -> KernelBatch:
         """Every query token as a decode of its own: its sequence's table, and the keys up
         to its position."""
-        per_seq = padded_block_tables(layout.block_tables, layout.context_lens, layout.block_size)
         counts = torch.tensor(layout.query_lens)
-        tables = torch.tensor(per_seq, dtype=torch.int32).repeat_interleave(counts, dim=0)
-        lens = [
-            length
-            for n, ctx in zip(layout.query_lens, layout.context_lens, strict=True)
-            for length in range(ctx - n + 1, ctx + 1)
-        ]
-        return KernelBatch(tables, torch.tensor(lens, dtype=torch.int32))
+        tables = layout.block_tables.repeat_interleave(counts, dim=0)
+        ends = torch.tensor(layout.context_lens).repeat_interleave(counts)
+        firsts = torch.cumsum(counts, 0).repeat_interleave(counts)  # one past each's last
+        lens = ends - (firsts - torch.arange(len(ends)) - 1)  # ctx - n + 1 .. ctx
+        return KernelBatch(tables, lens.int())
 
     @staticmethod
     def _kernel_batch(
         layout: BatchLayout, lo: int, hi: int, with_starts: bool = False
     ) -> KernelBatch:
-        lens = layout.context_lens[lo:hi]
-        tables = padded_block_tables(layout.block_tables[lo:hi], lens, layout.block_size)
         starts = None
         if with_starts:
             offsets = [0]
             for n in layout.query_lens[lo:hi]:
                 offsets.append(offsets[-1] + n)
             starts = torch.tensor(offsets, dtype=torch.int32)
-        return KernelBatch(
-            torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), starts
-        )
+        lens = torch.tensor(layout.context_lens[lo:hi], dtype=torch.int32)
+        return KernelBatch(layout.tables(lo, hi), lens, starts)
 
     @staticmethod
     def _torch_decode(
         meta: TorchAttentionMetadata, layout: BatchLayout, nkv: int, device: torch.device
     ) -> None:
-        d, bs = layout.num_decodes, layout.block_size
-        lens = layout.context_lens[:d]
-        table = torch.tensor(
-            padded_block_tables(layout.block_tables[:d], lens, bs), dtype=torch.long
-        )
+        d = layout.num_decodes
+        table = layout.tables(0, d).long()
         meta.decode_gather_index = (table[:, None, :] * nkv + torch.arange(nkv)[None, :, None]).to(
             device
         )
-        meta.decode_lens = torch.tensor(lens).to(device)
+        meta.decode_lens = torch.tensor(layout.context_lens[:d]).to(device)
 
     @staticmethod
     def _torch_prefills(layout: BatchLayout, nkv: int, device: torch.device) -> list[PrefillSpan]:
@@ -201,9 +192,7 @@ class TorchPagedAttention(AttentionBackend):
             q_len, ctx = layout.query_lens[i], layout.context_lens[i]
             index = None
             if ctx > q_len:
-                table = torch.tensor(
-                    layout.block_tables[i][: (ctx + bs - 1) // bs], dtype=torch.long
-                )
+                table = layout.block_tables[i, : (ctx + bs - 1) // bs].long()
                 index = (table[None, :] * nkv + torch.arange(nkv)[:, None]).to(device)
             spans.append(PrefillSpan(start, start + q_len, ctx, index, device))
             start += q_len
