@@ -3,9 +3,9 @@
 Order of operations (as in vLLM): raw logprobs are taken from the model's logits;
 then logit_bias, min_tokens masking and penalties; then a constrained row's grammar mask
 (app.engine.grammar: every token it does not allow is -inf); then greedy argmax, or temperature,
-top-k, top-p, min-p and a draw. A draw is argmax(probs / E) with E ~ Exp(1), and a
-seeded sequence draws E from its own generator, so its output never depends on what
-else is in the batch.
+top-k, top-p, min-p and a draw (app.engine.categorical: one uniform per row, which a
+seeded sequence draws from its own generator, so its output never depends on what else
+is in the batch).
 """
 
 import logging
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine import categorical
 from app.engine.grammar import Forbidden
 from app.engine.sequence import Sequence
 from app.protocol.outputs import TokenLogprob
@@ -45,25 +46,23 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], forbidden: Forbidden | None = None
     ) -> SampleResult:
-        # logits: (S, V) in the model's dtype, on the model's device
+        # logits: (S, V) in the model's dtype, on the model's device. Every choice below
+        # is made from the sequences' params on the host, never by reading the device:
+        # the only copy back is the result's (ids and the logprobs asked for), at the end.
         if all(_plain_greedy(s) for s in seqs):
             picked = _masked(logits, logits.float(), forbidden).argmax(dim=-1)
-            return SampleResult(picked.tolist(), [None] * len(seqs))
+            (ids,) = to_host(picked)
+            return SampleResult(ids.tolist(), [None] * len(seqs))
         given, logits = logits, logits.float()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = _masked(given, self._adjust(logits, seqs), forbidden)
         tokens = self._pick(logits, seqs)
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            for i, seq in enumerate(seqs):
-                if seq.params.logprobs is not None:
-                    logprobs[i] = _token_logprob(
-                        raw_logprobs[i], token_list[i], seq.params.logprobs
-                    )
-        return SampleResult(token_list, logprobs)
+        if raw_logprobs is None:
+            (ids,) = to_host(tokens)
+            return SampleResult(ids.tolist(), [None] * len(seqs))
+        return _with_logprobs(raw_logprobs, tokens, seqs)
 
     def sample_each(
         self, logits: torch.Tensor, seqs: list[Sequence], forbidden: Forbidden | None = None
@@ -120,27 +119,96 @@ class Sampler:
         return logits
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        dev = logits.device
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
-        if bool(greedy.all()):
-            return logits.argmax(dim=-1)
-        temps = torch.tensor(
-            [s.params.temperature if not s.params.greedy else 1.0 for s in seqs], device=dev
-        )
-        scaled = logits / temps[:, None]
-        scaled = _filter_top_k_top_p(scaled, seqs)
-        probs = torch.softmax(scaled, dim=-1)
-        min_ps = torch.tensor([s.params.min_p for s in seqs], device=dev)
-        if bool((min_ps > 0).any()):
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < min_ps[:, None] * top, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator(dev))
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:  # a seeded request draws on the CPU, as everywhere
-                row = torch.empty(probs.shape[-1]).exponential_(generator=seq.generator)
-                noise[i] = row.to(dev)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        """(S,) the next tokens: greedy rows argmax, the others a draw (app.engine.categorical)."""
+        drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if len(drawn) < len(seqs):
+            picked = logits.argmax(dim=-1)
+        else:
+            picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if not drawn:
+            return picked
+        dev, vocab = logits.device, logits.shape[-1]
+        params = [seqs[i].params for i in drawn]
+        # One copy of the rows' settings: temperature, min_p.
+        settings = _to_device(torch.tensor([(p.temperature, p.min_p) for p in params]), dev)
+        rows = rows_at(drawn, len(seqs), dev)
+        scaled = logits[rows] / settings[:, :1]  # (R, V)
+        min_p, uniforms = settings[:, 1], self._uniforms([seqs[i] for i in drawn], dev)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        narrow = [j for j, p in enumerate(params) if top_k[j] < vocab or p.top_p < 1.0]
+        narrow_set = set(narrow)
+        wide = [j for j in range(len(drawn)) if j not in narrow_set]
+        choice = torch.empty(len(drawn), dtype=torch.long, device=dev)
+        if wide:
+            at = rows_at(wide, len(drawn), dev)
+            choice[at] = categorical.sample_full(scaled[at], min_p[at], uniforms[at])
+        if narrow:
+            at = rows_at(narrow, len(drawn), dev)
+            ks, ps = [top_k[j] for j in narrow], [top_p[j] for j in narrow]
+            choice[at] = categorical.sample_top(scaled[at], ks, ps, min_p[at], uniforms[at])
+        picked[rows] = choice
+        return picked
+
+    def _uniforms(self, seqs: list[Sequence], dev: torch.device) -> torch.Tensor:
+        """(R,) one uniform per row; a seeded request's from its own generator (on the
+        CPU, as everywhere), so that its draws never depend on the batch."""
+        uniforms = torch.rand(len(seqs), generator=self.generator(dev), device=dev)
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        if seeded:
+            own = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in seeded])
+            uniforms[_to_device(torch.tensor(seeded), dev)] = _to_device(own, dev)
+        return uniforms
+
+
+def rows_at(group: list[int], size: int, dev: torch.device) -> torch.Tensor | slice:
+    """Index of `group` among `size` rows: a slice when it is all of them (no copy)."""
+    if len(group) == size:
+        return slice(None)
+    return _to_device(torch.tensor(group), dev)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the CPU: from a GPU, each copied into pinned memory without
+    blocking, then one wait for all of them (a host sync per tensor otherwise)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    copies = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+    for host, t in zip(copies, tensors, strict=True):
+        host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return copies
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    """The tokens and, for the sequences that asked, the chosen token's logprob and the
+    top alternatives: gathered for all such rows at once, one copy to the host."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    rows = _to_device(torch.tensor(want), raw.device)
+    wanted = raw[rows]  # (W, V)
+    chosen = wanted.gather(1, tokens[rows, None])[:, 0]  # (W,)
+    k = max(seqs[i].params.logprobs for i in want)
+    if k:
+        top_values, top_ids = wanted.topk(k)  # (W, k) each
+    else:
+        top_values = top_ids = chosen.new_empty(len(want), 0)
+    ids, chosen, top_values, top_ids = to_host(tokens, chosen, top_values, top_ids)
+    token_list = ids.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(want):
+        n = seqs[i].params.logprobs
+        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        logprobs[i] = TokenLogprob(token_list[i], chosen[j], top)
+    return SampleResult(token_list, logprobs)
 
 
 def _masked(given: torch.Tensor, logits: torch.Tensor, forbidden: Forbidden | None) -> torch.Tensor:
@@ -179,29 +247,3 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence, vocab_size: int) -> None:
         # As in OpenAI: over generated tokens only.
         counts = torch.bincount(out_ids[out_ids < vocab_size], minlength=vocab_size).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    ks = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
-    ps = [s.params.top_p for s in seqs]
-    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    dev = logits.device
-    rank = torch.arange(vocab, device=dev)[None, :]
-    drop = rank >= torch.tensor(ks, device=dev)[:, None]
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-    drop |= before > torch.tensor(ps, device=dev)[:, None]
-    drop[:, 0] = False  # always keep the best token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _token_logprob(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    top: tuple[tuple[int, float], ...] = ()
-    if num_top:
-        values, ids = row.topk(num_top)
-        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token_id, float(row[token_id]), top)

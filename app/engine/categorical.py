@@ -1,0 +1,101 @@
+"""Drawing one token per row from temperature-scaled logits, with top-k, top-p and min-p.
+
+A draw is an inverse-CDF lookup: one uniform u per row, the first token whose cumulative
+weight exceeds u times the row's total. That reads the vocabulary about three times (max,
+exp, cumsum) and needs one random number per row, where the exponential-race trick
+(argmax(p / E), E ~ Exp(1)) drew a random number per token: on a CPU at 32 rows of
+49,152 tokens that was most of a step. Seeded rows draw their u from their own generator,
+so a seeded output never depends on the batch.
+
+Top-k and top-p keep the best tokens in order: a token is dropped past rank k, or once the
+tokens strictly better than it hold more than p of the mass (the best token always
+stays). On a CPU, where sorting a vocabulary costs ~15 softmaxes, the candidates are the
+best TOP_CANDIDATES tokens (a partial selection); a row whose nucleus reaches past them
+(a flat distribution) takes the full sort. On a GPU the full sort is cheap and checking
+the candidates' mass would need a host read, so it always sorts.
+"""
+
+import torch
+
+TOP_CANDIDATES = 1024  # top-p's nucleus is looked for among this many best tokens first
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(R,) the index of each row's drawn entry: weights (R, N) >= 0, not normalised,
+    each row with a positive entry; uniforms (R,) in [0, 1). A zero weight is never
+    drawn."""
+    cdf = weights.cumsum(dim=-1)  # (R, N)
+    target = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]  # (R, 1)
+    # right=True: the first entry whose cumulative weight exceeds the target, so an entry
+    # adding nothing (weight 0) is never the answer.
+    index = torch.searchsorted(cdf, target, right=True)
+    return index[:, 0].clamp_(max=weights.shape[-1] - 1)
+
+
+def sample_full(scaled: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draws over the whole vocabulary: scaled (R, V) float32 logits (-inf: never),
+    min_p (R,) (0: off)."""
+    weights = (scaled - scaled.max(dim=-1, keepdim=True).values).exp_()  # best token: 1
+    weights.masked_fill_(weights < min_p[:, None], 0.0)  # min-p is relative to the best
+    return draw(weights, uniforms)
+
+
+def sample_top(
+    scaled: torch.Tensor,  # (R, V) float32
+    top_k: list[int],  # V where off
+    top_p: list[float],  # 1.0 where off
+    min_p: torch.Tensor,  # (R,)
+    uniforms: torch.Tensor,  # (R,)
+) -> torch.Tensor:
+    """Draws among each row's top-k / top-p tokens."""
+    vocab = scaled.shape[-1]
+    dev = scaled.device
+    wanted = max(k if k < vocab else 0 for k in top_k)
+    if any(p < 1.0 for p in top_p):
+        wanted = max(wanted, TOP_CANDIDATES)
+    if dev.type != "cpu" or wanted >= vocab:
+        return _sample_sorted(scaled, top_k, top_p, min_p, uniforms)
+    values, ids = scaled.topk(wanted)  # (R, K), best first
+    probs = (values - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp_()  # true shares
+    keep = _kept(probs, top_k, top_p, min_p)
+    # The nucleus reaches past the candidates where they hold no more than p in all
+    # (a p of 1 never applies: -1 marks it).
+    nucleus = torch.tensor([p if p < 1.0 else -1.0 for p in top_p])
+    short = (probs.sum(dim=-1) <= nucleus).nonzero()[:, 0].tolist()
+    picked = ids.gather(1, draw(probs * keep, uniforms)[:, None])[:, 0]
+    if short:
+        rows = torch.tensor(short)
+        ks, ps = [top_k[i] for i in short], [top_p[i] for i in short]
+        picked[rows] = _sample_sorted(scaled[rows], ks, ps, min_p[rows], uniforms[rows])
+    return picked
+
+
+def _sample_sorted(
+    scaled: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    values, order = scaled.sort(dim=-1, descending=True)  # (R, V)
+    probs = torch.softmax(values, dim=-1)
+    keep = _kept(probs, top_k, top_p, min_p)
+    return order.gather(1, draw(probs * keep, uniforms)[:, None])[:, 0]
+
+
+def _kept(
+    probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: torch.Tensor
+) -> torch.Tensor:
+    """(R, K) float 1/0: which of the best-first candidates (true probabilities) stay."""
+    dev = probs.device
+    rank = torch.arange(probs.shape[-1], device=dev)[None, :]
+    drop = rank >= _on(torch.tensor(top_k), dev)[:, None]
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+    drop |= before > _on(torch.tensor(top_p), dev)[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # always keep the best token
+    return (~drop).to(probs.dtype)
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
