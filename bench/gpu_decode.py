@@ -11,6 +11,13 @@ to the GPU machine), with Shoal's engine driven directly (no Ray, no HTTP):
 transformers' `generate` runs the same in the same dtype in the same process (static
 batches of the same prompts; its TTFT is generate(max_new_tokens=1)).
 
+Shoal runs with CUDA graphs (EngineConfig.cuda_graphs, the default; the capture time is
+printed) and, at `--eager-concurrency` (1 and 64 on a GPU), again without them, so the
+graphs' share of the figures is measured in the same run. Against issue 37's targets
+(one H100 or H200, bfloat16): Llama-3-8B batch-1 decode <= 7 ms (<= 1.4x the floor),
+SmolLM2 batch-1 <= 2 ms, >= 5,000 tok/s at 64 sequences and >= 10,000 at 256, >= 10x
+transformers at 64 and 256; each line says whether it holds.
+
 On a GPU the defaults are SmolLM2's and Llama-3-8B's shapes in bfloat16 at 1, 8, 64
 and 256 sequences, TTFT at 512 and 4,096 tokens. Without one, a small shape in float32
 at 1 and 8 sequences, TTFT at 64 tokens: enough to keep this script from rotting in CI.
@@ -19,6 +26,7 @@ The last line printed is a JSON list with every figure.
 """
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -71,8 +79,25 @@ DEFAULTS = {  # by the device chosen: --device=cpu on a GPU host runs the CPU se
         concurrency="1,8,64,256",
         ttft="512,4096",
         kv_gib=16.0,
+        eager_concurrency="1,64",
     ),
-    "cpu": dict(shapes="tiny", dtype="float32", concurrency="1,8", ttft="64", kv_gib=0.25),
+    "cpu": dict(
+        shapes="tiny",
+        dtype="float32",
+        concurrency="1,8",
+        ttft="64",
+        kv_gib=0.25,
+        eager_concurrency="",
+    ),
+}
+# issue 37's targets: (shape, figure) -> (bound, at least / at most)
+TARGETS = {
+    ("llama3-8b", "decode_ms"): (7.0, "max"),
+    ("smollm2-135m", "decode_ms"): (2.0, "max"),
+    (None, "tok_s_64"): (5000.0, "min"),
+    (None, "tok_s_256"): (10000.0, "min"),
+    (None, "ratio_64"): (10.0, "min"),
+    (None, "ratio_256"): (10.0, "min"),
 }
 
 
@@ -109,7 +134,7 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab, (count, length), generator=g).tolist()
 
 
-def shoal_figures(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> dict:
+def shoal_figures(engine: LLMEngine, args: argparse.Namespace, vocab: int, concurrency) -> dict:
     device = engine.config.torch_device
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     # warm-up at the measured prompt length: the first steps at new shapes cost extra
@@ -124,11 +149,19 @@ def shoal_figures(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> di
         steps += 1
     decode_ms = (time.perf_counter() - start) * 1000 / steps
     throughput = {}
-    for n in args.concurrency:
+    for n in concurrency:
         start = time.perf_counter()
         outs = engine.generate(prompts(n, PROMPT, vocab, 2), params)
         elapsed = time.perf_counter() - start
         throughput[n] = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    graphs = engine.runner.decode_graphs
+    figures = {"decode_ms": decode_ms, "tok_s": throughput, "cuda_graphs": graphs is not None}
+    if graphs is not None:
+        figures["capture_s"] = round(graphs.capture_s, 2)
+    return figures
+
+
+def ttft_figures(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> dict:
     ttft = {}
     for length in args.ttft:
         best = float("inf")
@@ -145,7 +178,7 @@ def shoal_figures(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> di
             while engine.has_work:
                 engine.step()
         ttft[length] = best * 1000
-    return {"decode_ms": decode_ms, "tok_s": throughput, "ttft_ms": ttft}
+    return ttft
 
 
 def hf_figures(
@@ -199,7 +232,6 @@ def run_shape(shape: str, args: argparse.Namespace, root: Path, bandwidth: float
     device, dtype = config.torch_device, config.torch_dtype
     backend = select_backend(config.attention_backend, device, config.block_size)
     loaded = random_model(source, backend, dtype, device, config.max_model_len)
-    engine = LLMEngine(config, loaded=loaded)
     arch = loaded.arch
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for b in loaded.model.buffers())
@@ -211,10 +243,19 @@ def run_shape(shape: str, args: argparse.Namespace, root: Path, bandwidth: float
     # The copy's figure counts bytes read and written: what the memory moves per second,
     # the rate at which one step's reads can go at best.
     floor_ms = (read_bytes + kv_bytes) / bandwidth * 1000
-    ours = shoal_figures(engine, args, arch.vocab_size)
-    del engine, loaded
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    engine = LLMEngine(config, loaded=loaded)
+    ours = shoal_figures(engine, args, arch.vocab_size, args.concurrency)
+    ours["ttft_ms"] = ttft_figures(engine, args, arch.vocab_size)
+    ours["attention_backend"] = engine.runner.backend.name
+    del engine
+    eager = None
+    if args.eager_concurrency and ours["cuda_graphs"]:
+        release(device)
+        engine = LLMEngine(config.model_copy(update={"cuda_graphs": False}), loaded=loaded)
+        eager = shoal_figures(engine, args, arch.vocab_size, args.eager_concurrency)
+        del engine
+    del loaded
+    release(device)
     result = {
         "shape": shape,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -224,33 +265,68 @@ def run_shape(shape: str, args: argparse.Namespace, root: Path, bandwidth: float
         "shoal": ours,
         "decode_vs_floor": round(ours["decode_ms"] / floor_ms, 2),
     }
+    if eager is not None:
+        result["shoal_eager"] = eager
     if not args.skip_hf:
         theirs = hf_figures(source, dtype, device, args, arch.vocab_size)
         result["transformers"] = theirs
         result["tok_s_ratio"] = {
             n: round(ours["tok_s"][n] / theirs["tok_s"][n], 2) for n in args.concurrency
         }
+    result["targets"] = check_targets(result) if device.type == "cuda" else {}
     print_shape(result, args)
     return result
 
 
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_targets(r: dict) -> dict:
+    """Each of issue 37's targets this run measured: {name: [value, bound, held]}."""
+    values = {"decode_ms": r["shoal"]["decode_ms"]}
+    for n in (64, 256):
+        if n in r["shoal"]["tok_s"]:
+            values[f"tok_s_{n}"] = r["shoal"]["tok_s"][n]
+        if n in r.get("tok_s_ratio", {}):
+            values[f"ratio_{n}"] = r["tok_s_ratio"][n]
+    held = {}
+    for (shape, name), (bound, kind) in TARGETS.items():
+        if shape not in (None, r["shape"]) or name not in values:
+            continue
+        value = values[name]
+        ok = value <= bound if kind == "max" else value >= bound
+        held[name] = [round(value, 2), bound, ok]
+    return held
+
+
 def print_shape(r: dict, args: argparse.Namespace) -> None:
-    hf = r.get("transformers")
+    hf, ours, eager = r.get("transformers"), r["shoal"], r.get("shoal_eager")
+    graphs = f"CUDA graphs captured in {ours['capture_s']} s" if ours["cuda_graphs"] else "eager"
     print(f"== {r['shape']} on {r['device']} ({r['dtype']}), weights {r['weight_gb']} GB")
+    print(f"attention backend {ours['attention_backend']}, {graphs}")
     print(
-        f"batch-1 decode: shoal {r['shoal']['decode_ms']:.2f} ms/step, floor {r['floor_ms']:.2f} ms "
-        f"({r['decode_vs_floor']}x)" + (f", transformers {hf['decode_ms']:.2f} ms" if hf else "")
+        f"batch-1 decode: shoal {ours['decode_ms']:.2f} ms/step, floor {r['floor_ms']:.2f} ms "
+        f"({r['decode_vs_floor']}x)"
+        + (f", eager {eager['decode_ms']:.2f} ms" if eager else "")
+        + (f", transformers {hf['decode_ms']:.2f} ms" if hf else "")
     )
     for n in args.concurrency:
-        line = f"{n:4d} sequences: shoal {r['shoal']['tok_s'][n]:9.1f} tok/s"
+        line = f"{n:4d} sequences: shoal {ours['tok_s'][n]:9.1f} tok/s"
+        if eager and n in eager["tok_s"]:
+            line += f" (eager {eager['tok_s'][n]:9.1f})"
         if hf:
             line += f", transformers {hf['tok_s'][n]:9.1f} tok/s ({r['tok_s_ratio'][n]}x)"
         print(line)
     for length in args.ttft:
-        line = f"TTFT({length}): shoal {r['shoal']['ttft_ms'][length]:.1f} ms"
+        line = f"TTFT({length}): shoal {ours['ttft_ms'][length]:.1f} ms"
         if hf:
             line += f", transformers {hf['ttft_ms'][length]:.1f} ms"
         print(line)
+    for name, (value, bound, ok) in r["targets"].items():
+        print(f"target {name}: {value} against {bound}: {'met' if ok else 'NOT met'}")
 
 
 def main() -> None:
@@ -263,6 +339,7 @@ def main() -> None:
     parser.add_argument("--concurrency")
     parser.add_argument("--ttft")
     parser.add_argument("--kv-gib", type=float)
+    parser.add_argument("--eager-concurrency", help="concurrencies run again without graphs")
     parser.add_argument("--skip-hf", action="store_true", help="only Shoal's figures")
     args = parser.parse_args()
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -271,6 +348,7 @@ def main() -> None:
             setattr(args, name, value)
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.ttft = [int(n) for n in args.ttft.split(",")]
+    args.eager_concurrency = [int(n) for n in args.eager_concurrency.split(",") if n]
     device = torch.device("cuda" if gpu else "cpu")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth on {device}: {bandwidth / 1e9:.1f} GB/s (read + write)")
