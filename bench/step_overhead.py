@@ -9,7 +9,7 @@ each number of running sequences, after every prompt is prefilled, over `--steps
 steps of sequences that never finish.
 
 Each step's time is split into schedule (Scheduler.schedule), prepare (the runner's
-inputs and attention metadata: everything in ModelRunner.run but the stub), sample
+inputs and attention metadata: ModelRunner.prepare and run, but the stub), sample
 (Sampler.sample_each) and post (appending tokens, deltas, stats: the rest of
 LLMEngine.step). `--peer` times the same steps in the engine as it was at a git commit
 (a worktree of it), side by side in the same run. The last line printed is a JSON
@@ -38,11 +38,15 @@ PHASES = ("schedule", "prepare", "sample", "post")
 
 
 class PhaseClock:
-    """Wraps an engine's phase methods and sums the time spent in each per step."""
+    """Wraps an engine's phase methods and sums the time spent in each. A phase entered
+    inside another counts once, in the outer one: the runner's `run` and `prepare` are
+    one phase, and in older engines `run` calls `prepare`."""
 
     def __init__(self, engine) -> None:  # noqa: ANN001 (LLMEngine, of whichever commit)
         self.totals = dict.fromkeys(PHASES, 0.0)
+        self._inside = False
         self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.runner, "prepare", "prepare")
         self._wrap(engine.runner, "run", "prepare")
         self._wrap(engine.sampler, "sample_each", "sample")
 
@@ -50,16 +54,17 @@ class PhaseClock:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if self._inside:
+                return inner(*args, **kwargs)
+            self._inside = True
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.totals[phase] += time.perf_counter() - start
+                self._inside = False
 
         setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        self.totals = dict.fromkeys(PHASES, 0.0)
 
 
 def stub_forward(engine, vocab: int, rows: int) -> None:  # noqa: ANN001

@@ -9,7 +9,9 @@ so a seeded output never depends on the batch.
 
 Top-k and top-p keep the best tokens in order: a token is dropped past rank k, or once the
 tokens strictly better than it hold more than p of the mass (the best token always
-stays). On a CPU, where sorting a vocabulary costs ~15 softmaxes, the candidates are the
+stays). Equal logits (common in bfloat16) are ordered by token id, and a candidate's
+probability is computed the same way on either path, so that a seeded draw never
+depends on which path, or which other rows, the batch brought. On a CPU, where sorting a vocabulary costs ~15 softmaxes, the candidates are the
 best TOP_CANDIDATES tokens (a partial selection); a row whose nucleus reaches past them
 (a flat distribution) takes the full sort. On a GPU the full sort is cheap and checking
 the candidates' mass would need a host read, so it always sorts.
@@ -21,15 +23,17 @@ TOP_CANDIDATES = 1024  # top-p's nucleus is looked for among this many best toke
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """(R,) the index of each row's drawn entry: weights (R, N) >= 0, not normalised,
-    each row with a positive entry; uniforms (R,) in [0, 1). A zero weight is never
-    drawn."""
+    """(R,) the index of each row's drawn entry: weights (R, N) >= 0, not normalised;
+    uniforms (R,) in [0, 1). A zero weight is never drawn; a row with nothing to draw
+    (all zero: every token forbidden) gets entry 0, its best candidate where rows are
+    sorted (the old exponential race's argmax gave token 0 as well)."""
     cdf = weights.cumsum(dim=-1)  # (R, N)
-    target = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]  # (R, 1)
+    total = cdf[:, -1:]  # (R, 1)
     # right=True: the first entry whose cumulative weight exceeds the target, so an entry
     # adding nothing (weight 0) is never the answer.
-    index = torch.searchsorted(cdf, target, right=True)
-    return index[:, 0].clamp_(max=weights.shape[-1] - 1)
+    index = torch.searchsorted(cdf, uniforms[:, None].to(cdf.dtype) * total, right=True)
+    index = index.clamp_(max=weights.shape[-1] - 1)
+    return index.masked_fill_(~(total > 0), 0)[:, 0]  # ~(>): NaN totals too
 
 
 def sample_full(scaled: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -55,7 +59,7 @@ def sample_top(
         wanted = max(wanted, TOP_CANDIDATES)
     if dev.type != "cpu" or wanted >= vocab:
         return _sample_sorted(scaled, top_k, top_p, min_p, uniforms)
-    values, ids = scaled.topk(wanted)  # (R, K), best first
+    values, ids = _by_id(*scaled.topk(wanted))  # (R, K), best first
     probs = (values - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp_()  # true shares
     keep = _kept(probs, top_k, top_p, min_p)
     # The nucleus reaches past the candidates where they hold no more than p in all
@@ -77,10 +81,18 @@ def _sample_sorted(
     min_p: torch.Tensor,
     uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    values, order = scaled.sort(dim=-1, descending=True)  # (R, V)
-    probs = torch.softmax(values, dim=-1)
+    values, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties: by id
+    probs = (values - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp_()  # (R, V)
     keep = _kept(probs, top_k, top_p, min_p)
     return order.gather(1, draw(probs * keep, uniforms)[:, None])[:, 0]
+
+
+def _by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk's candidates, best first, equal values in token-id order (topk leaves ties in
+    an order that depends on how many it was asked for)."""
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order)
 
 
 def _kept(

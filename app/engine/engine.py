@@ -193,12 +193,18 @@ class LLMEngine:
             deltas = self.requests.take_ended()
             batch = self.scheduler.schedule()
             self._note_progress(bool(batch.seqs))
-        if not batch.seqs:
-            return deltas
-        prefill_tokens = num_prefill_tokens(batch)  # before the forward moves them on
+            if not batch.seqs:
+                return deltas
+            prefill_tokens = num_prefill_tokens(batch)  # before the forward moves them on
+            # The inputs are read from the sequences in the same hold of the lock: an abort
+            # in between would free a sequence's blocks while its cache slots are computed.
+            try:
+                step, sampled = self.runner.prepare(batch)
+            except Exception as exc:
+                return deltas + self._fail_batch(batch, exc)
         masking = self._start_masks(batch)  # on the grammar's thread, while the model runs
         try:
-            logits, sampled = self.runner.run(batch)
+            logits = self.runner.run(step)
             masks = None if masking is None else masking.result()
             self._failed_forwards = 0
         except Exception as exc:

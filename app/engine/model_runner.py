@@ -192,17 +192,17 @@ class ModelRunner:
         self.decode_graphs = graphs
         return True
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one forward pass. Returns logits (S, vocab) in the model's dtype, on the
-        model's device (the sampler runs there), for the sequences whose next token is due
-        (prompts fully computed), in that order. With tensor parallelism the step's inputs
-        go to every shard first."""
-        step, sampled = self.prepare(batch)
-        self.model.tp.broadcast_object(step)
-        return self.execute(step), sampled
-
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        """A scheduled batch's inputs (read from its sequences: the caller holds them
+        still), and the sequences whose next token is due, in logits-row order."""
         return self.inputs.prepare(batch)
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """Run one forward pass. Returns logits (S, vocab) in the model's dtype, on the
+        model's device (the sampler runs there), one row per due sequence. With tensor
+        parallelism the step's inputs go to every shard first."""
+        self.model.tp.broadcast_object(step)
+        return self.execute(step)
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:

@@ -102,6 +102,13 @@ class FlashAttentionBackend(AttentionBackend):
             meta.max_q, meta.max_k = max(q_lens), max(lens)
         return meta
 
+    def decode_metadata(
+        self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    ) -> FlashMetadata:
+        """The static tensors as they are: `flash_attn_with_kvcache` reads each row of a
+        full-width table only up to its `cache_seqlens`, and splits by shapes alone."""
+        return FlashMetadata(slots, slots.shape[0], decode_tables=tables, decode_lens=lens)
+
     def forward(
         self,
         q: torch.Tensor,

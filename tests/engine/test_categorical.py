@@ -89,3 +89,30 @@ def test_top_k_one_is_greedy():
     scaled = torch.randn(64, 500)
     picks = categorical.sample_top(scaled, [1] * 64, [1.0] * 64, torch.zeros(64), torch.rand(64))
     assert picks.tolist() == scaled.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1000, 5000])  # the other row brings the full sort; 1,024
+def test_a_rows_draw_ignores_the_other_rows(vocab):
+    """bfloat16 logits tie often: equal ones go in token-id order, and a candidate's
+    probability is computed alike on both paths, so a top-k row draws the same token
+    whatever else shares its batch (a seeded request's promise)."""
+    g = torch.Generator().manual_seed(1)
+    rows = (torch.randn(300, vocab, generator=g) * 3).bfloat16().float()
+    u = torch.rand(300, generator=g)
+    alone = categorical.sample_top(rows, [40] * 300, [1.0] * 300, torch.zeros(300), u)
+    other = torch.randn(1, vocab, generator=g)
+    mixed = categorical.sample_top(
+        torch.cat([rows, other]),
+        [40] * 300 + [vocab],
+        [1.0] * 300 + [0.9],
+        torch.zeros(301),
+        torch.cat([u, torch.rand(1, generator=g)]),
+    )
+    assert mixed[:300].tolist() == alone.tolist()
+
+
+def test_a_row_with_nothing_to_draw_gets_its_best_candidate():
+    nothing = torch.full((2, 50), float("-inf"))
+    assert categorical.sample_full(nothing, torch.zeros(2), torch.rand(2)).tolist() == [0, 0]
+    assert categorical.draw(torch.zeros(1, 5), torch.rand(1)).tolist() == [0]
+    assert categorical.draw(torch.full((1, 5), float("nan")), torch.rand(1)).tolist() == [0]

@@ -135,3 +135,26 @@ def test_selection_without_cuda_or_flash_attn():
     assert select_backend("auto", cpu, 256).name == "torch"
     with pytest.raises(ValueError, match="needs CUDA"):
         select_backend("flash", cpu, 256)
+
+
+def test_decode_metadata_of_full_width_tables_matches_build_metadata():
+    """What DecodeGraphs hands the backend: tables as wide as the model's context, read
+    only up to each length."""
+    backend = FlashAttentionBackend(BS, kernels=REFERENCE)
+    torch.manual_seed(0)
+    shape = backend.kv_cache_shape(NBLOCKS, BS, NKV, HD)
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    contexts = [300, 700]
+    tables = [[3, 5], [1, 0, 7]]
+    slots = [t[(c - 1) // BS] * BS + (c - 1) % BS for t, c in zip(tables, contexts, strict=True)]
+    layout = BatchLayout([1, 1], contexts, tables, slots, num_decodes=2, block_size=BS)
+    q, k, v = torch.randn(2, NH, HD), torch.randn(2, NKV, HD), torch.randn(2, NKV, HD)
+    meta = backend.build_metadata(layout, NKV, torch.device("cpu"))
+    want = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HD**-0.5)
+    wide = torch.full((2, NBLOCKS), 11, dtype=torch.int32)  # past each length: any block
+    wide[0, :2], wide[1, :3] = torch.tensor([3, 5]), torch.tensor([1, 0, 7])
+    static = backend.decode_metadata(
+        torch.tensor(slots), wide, torch.tensor(contexts, dtype=torch.int32)
+    )
+    got = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), static, HD**-0.5)
+    torch.testing.assert_close(got, want)
