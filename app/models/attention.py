@@ -43,7 +43,7 @@ class BatchLayout:
         """(hi - lo, nblk) int32: the block tables of sequences lo..hi, cut to the blocks
         the longest of their contexts needs."""
         nblk = -(-max(self.context_lens[lo:hi]) // self.block_size)
-        return self.block_tables[lo:hi, :nblk]
+        return self.block_tables[lo:hi, :nblk].contiguous()  # as kernels index it
 
 
 def padded_block_tables(
