@@ -1,20 +1,27 @@
 """Drawing one token per row from temperature-scaled logits, with top-k, top-p and min-p.
 
-A draw is an inverse-CDF lookup: one uniform u per row, the first token whose cumulative
-weight exceeds u times the row's total. That reads the vocabulary about three times (max,
-exp, cumsum) and needs one random number per row, where the exponential-race trick
-(argmax(p / E), E ~ Exp(1)) drew a random number per token: on a CPU at 32 rows of
-49,152 tokens that was most of a step. Seeded rows draw their u from their own generator,
-so a seeded output never depends on the batch.
+Two ways to draw, by what a row is promised:
+- an unseeded row takes an inverse-CDF lookup: one uniform u, the first token whose
+  cumulative weight exceeds u times the row's total. It reads the vocabulary about three
+  times (max, exp, cumsum) and needs one random number, where the exponential race below
+  draws one per token: on a CPU at 32 rows of 49,152 tokens the race was most of a step;
+- a seeded row, promised the same output for the same seed, takes the exponential race,
+  argmax(p / E) with E ~ Exp(1) per token id from its own generator. Its winner moves
+  only when two tokens' ratios nearly tie, where a lookup's moves whenever the cumulative
+  sums before u shift: float32 logits that differ in the last bits (a prefix-cache hit
+  computes the prompt's last token in another shape than a cold prefill) changed one of
+  the three 60-token outputs of a seeded request with the lookup, none with the race.
+A source of randomness is (R,) uniforms or (R, V) exponentials; `choose` tells them apart.
 
 Top-k and top-p keep the best tokens in order: a token is dropped past rank k, or once the
 tokens strictly better than it hold more than p of the mass (the best token always
 stays). Equal logits (common in bfloat16) are ordered by token id, and a candidate's
-probability is computed the same way on either path, so that a seeded draw never
-depends on which path, or which other rows, the batch brought. On a CPU, where sorting a vocabulary costs ~15 softmaxes, the candidates are the
-best TOP_CANDIDATES tokens (a partial selection); a row whose nucleus reaches past them
-(a flat distribution) takes the full sort. On a GPU the full sort is cheap and checking
-the candidates' mass would need a host read, so it always sorts.
+probability is computed alike on either path below, so that a draw never depends on
+which path, or which other rows, the batch brought. On a CPU, where sorting a vocabulary
+costs ~15 softmaxes, the candidates are the best TOP_CANDIDATES tokens (a partial
+selection); a row whose nucleus reaches past them (a flat distribution) takes the full
+sort. On a GPU the full sort is cheap and checking the candidates' mass would need a host
+read, so it always sorts.
 """
 
 import torch
@@ -23,10 +30,10 @@ TOP_CANDIDATES = 1024  # top-p's nucleus is looked for among this many best toke
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """(R,) the index of each row's drawn entry: weights (R, N) >= 0, not normalised;
-    uniforms (R,) in [0, 1). A zero weight is never drawn; a row with nothing to draw
-    (all zero: every token forbidden) gets entry 0, its best candidate where rows are
-    sorted (the old exponential race's argmax gave token 0 as well)."""
+    """(R,) the index of each row's drawn entry by inverse CDF: weights (R, N) >= 0, not
+    normalised; uniforms (R,) in [0, 1). A zero weight is never drawn; a row with nothing
+    to draw (all zero: every token forbidden) gets entry 0, its best candidate where rows
+    are sorted, as the race's argmax does."""
     cdf = weights.cumsum(dim=-1)  # (R, N)
     total = cdf[:, -1:]  # (R, 1)
     # right=True: the first entry whose cumulative weight exceeds the target, so an entry
@@ -36,12 +43,26 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return index.masked_fill_(~(total > 0), 0)[:, 0]  # ~(>): NaN totals too
 
 
-def sample_full(scaled: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def choose(
+    weights: torch.Tensor, randomness: torch.Tensor, ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(R,) the index into `weights` (R, N) each row draws. `randomness`: (R,) uniforms
+    (inverse CDF) or (R, V) exponentials by token id (the race); `ids` (R, N): the token
+    id of each entry when `weights` are candidates, not the whole vocabulary."""
+    if randomness.dim() == 1:
+        return draw(weights, randomness)
+    noise = randomness if ids is None else randomness.gather(1, ids)
+    return (weights / noise).argmax(dim=-1)
+
+
+def sample_full(
+    scaled: torch.Tensor, min_p: torch.Tensor, randomness: torch.Tensor
+) -> torch.Tensor:
     """Draws over the whole vocabulary: scaled (R, V) float32 logits (-inf: never),
     min_p (R,) (0: off)."""
     weights = (scaled - scaled.max(dim=-1, keepdim=True).values).exp_()  # best token: 1
     weights.masked_fill_(weights < min_p[:, None], 0.0)  # min-p is relative to the best
-    return draw(weights, uniforms)
+    return choose(weights, randomness)
 
 
 def sample_top(
@@ -49,7 +70,7 @@ def sample_top(
     top_k: list[int],  # V where off
     top_p: list[float],  # 1.0 where off
     min_p: torch.Tensor,  # (R,)
-    uniforms: torch.Tensor,  # (R,)
+    randomness: torch.Tensor,  # (R,) or (R, V)
 ) -> torch.Tensor:
     """Draws among each row's top-k / top-p tokens."""
     vocab = scaled.shape[-1]
@@ -58,7 +79,7 @@ def sample_top(
     if any(p < 1.0 for p in top_p):
         wanted = max(wanted, TOP_CANDIDATES)
     if dev.type != "cpu" or wanted >= vocab:
-        return _sample_sorted(scaled, top_k, top_p, min_p, uniforms)
+        return _sample_sorted(scaled, top_k, top_p, min_p, randomness)
     values, ids = _by_id(*scaled.topk(wanted))  # (R, K), best first
     probs = (values - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp_()  # true shares
     keep = _kept(probs, top_k, top_p, min_p)
@@ -66,11 +87,11 @@ def sample_top(
     # (a p of 1 never applies: -1 marks it).
     nucleus = torch.tensor([p if p < 1.0 else -1.0 for p in top_p])
     short = (probs.sum(dim=-1) <= nucleus).nonzero()[:, 0].tolist()
-    picked = ids.gather(1, draw(probs * keep, uniforms)[:, None])[:, 0]
+    picked = ids.gather(1, choose(probs * keep, randomness, ids)[:, None])[:, 0]
     if short:
         rows = torch.tensor(short)
         ks, ps = [top_k[i] for i in short], [top_p[i] for i in short]
-        picked[rows] = _sample_sorted(scaled[rows], ks, ps, min_p[rows], uniforms[rows])
+        picked[rows] = _sample_sorted(scaled[rows], ks, ps, min_p[rows], randomness[rows])
     return picked
 
 
@@ -79,12 +100,12 @@ def _sample_sorted(
     top_k: list[int],
     top_p: list[float],
     min_p: torch.Tensor,
-    uniforms: torch.Tensor,
+    randomness: torch.Tensor,
 ) -> torch.Tensor:
     values, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties: by id
     probs = (values - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp_()  # (R, V)
     keep = _kept(probs, top_k, top_p, min_p)
-    return order.gather(1, draw(probs * keep, uniforms)[:, None])[:, 0]
+    return order.gather(1, choose(probs * keep, randomness, order)[:, None])[:, 0]
 
 
 def _by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,9 @@
 Order of operations (as in vLLM): raw logprobs are taken from the model's logits;
 then logit_bias, min_tokens masking and penalties; then a constrained row's grammar mask
 (app.engine.grammar: every token it does not allow is -inf); then greedy argmax, or temperature,
-top-k, top-p, min-p and a draw (app.engine.categorical: one uniform per row, which a
-seeded sequence draws from its own generator, so its output never depends on what else
-is in the batch).
+top-k, top-p, min-p and a draw (app.engine.categorical: an inverse-CDF lookup, or for a
+seeded sequence the exponential race with noise from its own generator, so its output
+never depends on what else is in the batch).
 """
 
 import logging
@@ -133,32 +133,41 @@ class Sampler:
         settings = _to_device(torch.tensor([(p.temperature, p.min_p) for p in params]), dev)
         rows = rows_at(drawn, len(seqs), dev)
         scaled = logits[rows] / settings[:, :1]  # (R, V)
-        min_p, uniforms = settings[:, 1], self._uniforms([seqs[i] for i in drawn], dev)
+        min_p = settings[:, 1]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
-        narrow = [j for j, p in enumerate(params) if top_k[j] < vocab or p.top_p < 1.0]
-        narrow_set = set(narrow)
-        wide = [j for j in range(len(drawn)) if j not in narrow_set]
         choice = torch.empty(len(drawn), dtype=torch.long, device=dev)
-        if wide:
-            at = rows_at(wide, len(drawn), dev)
-            choice[at] = categorical.sample_full(scaled[at], min_p[at], uniforms[at])
-        if narrow:
-            at = rows_at(narrow, len(drawn), dev)
-            ks, ps = [top_k[j] for j in narrow], [top_p[j] for j in narrow]
-            choice[at] = categorical.sample_top(scaled[at], ks, ps, min_p[at], uniforms[at])
+        # Groups of rows drawn alike: whole vocabulary or top-k/top-p, seeded or not.
+        for group in _groups([seqs[i] for i in drawn], top_k, vocab):
+            at = rows_at(group, len(drawn), dev)
+            randomness = self._randomness([seqs[drawn[j]] for j in group], vocab, dev)
+            if all(top_k[j] == vocab and top_p[j] >= 1.0 for j in group):
+                choice[at] = categorical.sample_full(scaled[at], min_p[at], randomness)
+            else:
+                ks, ps = [top_k[j] for j in group], [top_p[j] for j in group]
+                choice[at] = categorical.sample_top(scaled[at], ks, ps, min_p[at], randomness)
         picked[rows] = choice
         return picked
 
-    def _uniforms(self, seqs: list[Sequence], dev: torch.device) -> torch.Tensor:
-        """(R,) one uniform per row; a seeded request's from its own generator (on the
-        CPU, as everywhere), so that its draws never depend on the batch."""
-        uniforms = torch.rand(len(seqs), generator=self.generator(dev), device=dev)
-        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
-        if seeded:
-            own = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in seeded])
-            uniforms[_to_device(torch.tensor(seeded), dev)] = _to_device(own, dev)
-        return uniforms
+    def _randomness(self, seqs: list[Sequence], vocab: int, dev: torch.device) -> torch.Tensor:
+        """What the rows draw with (app.engine.categorical): unseeded rows one uniform
+        each; seeded rows a race's exponentials over the vocabulary from their own
+        generator (on the CPU, as everywhere), so that a seeded output depends on
+        neither the batch nor the last bits of its logits."""
+        if seqs[0].generator is None:
+            return torch.rand(len(seqs), generator=self.generator(dev), device=dev)
+        noise = [torch.empty(vocab).exponential_(generator=s.generator) for s in seqs]
+        return _to_device(torch.stack(noise), dev)
+
+
+def _groups(seqs: list[Sequence], top_k: list[int], vocab: int) -> list[list[int]]:
+    """Indices of `seqs` by how they draw: (top-k/top-p or not, seeded or not); each
+    group is seeded throughout or not at all."""
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for j, seq in enumerate(seqs):
+        narrow = top_k[j] < vocab or seq.params.top_p < 1.0
+        groups.setdefault((narrow, seq.generator is not None), []).append(j)
+    return list(groups.values())
 
 
 def rows_at(group: list[int], size: int, dev: torch.device) -> torch.Tensor | slice:

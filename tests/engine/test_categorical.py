@@ -116,3 +116,39 @@ def test_a_row_with_nothing_to_draw_gets_its_best_candidate():
     assert categorical.sample_full(nothing, torch.zeros(2), torch.rand(2)).tolist() == [0, 0]
     assert categorical.draw(torch.zeros(1, 5), torch.rand(1)).tolist() == [0]
     assert categorical.draw(torch.full((1, 5), float("nan")), torch.rand(1)).tolist() == [0]
+
+
+def test_the_race_follows_the_same_distribution():
+    """Seeded rows draw by the exponential race, noise per token id."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    noise = torch.empty(DRAWS, 4).exponential_(generator=torch.Generator().manual_seed(3))
+    f = frequencies(categorical.sample_full(rows_of(probs), torch.zeros(DRAWS), noise), 4)
+    assert f.tolist() == pytest.approx(probs, abs=0.01)
+    vocab = 1500  # candidates, then the whole sort with a p that reaches past them
+    tail = [0.01 / (vocab - 4)] * (vocab - 4)
+    scaled = rows_of([p * 0.99 for p in probs] + tail)
+    noise = torch.empty(DRAWS, vocab).exponential_(generator=torch.Generator().manual_seed(4))
+    for p, kept in ((0.7, [0.5 / 0.8, 0.3 / 0.8]), (0.999, None)):
+        picks = categorical.sample_top(
+            scaled, [vocab] * DRAWS, [p] * DRAWS, torch.zeros(DRAWS), noise
+        )
+        f = frequencies(picks, vocab)
+        if kept:
+            assert f[2:].sum() == 0 and f[:2].tolist() == pytest.approx(kept, abs=0.01)
+        else:
+            assert f[:4].tolist() == pytest.approx([p * 0.99 for p in probs], abs=0.01)
+
+
+def test_the_race_ignores_the_last_bits_of_the_logits():
+    """What a seeded request relies on: logits a few ulps apart (a prefix-cache hit, a
+    batch of another shape) leave the race's winner where it was (the lookup moved one
+    of these 2,000 rows)."""
+    g = torch.Generator().manual_seed(5)
+    scaled = torch.randn(2000, 2000, generator=g) * 2
+    nudged = scaled * (1 + 1e-6 * torch.randn(scaled.shape, generator=g))
+    noise = torch.empty(scaled.shape).exponential_(generator=g)
+    off = torch.zeros(2000)
+    same = categorical.sample_full(scaled, off, noise) == categorical.sample_full(
+        nudged, off, noise
+    )
+    assert bool(same.all())
