@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity_router import AffinityRouter
@@ -16,7 +16,10 @@ from deployments.registry import RegistryDeployment
 from deployments.tokenizer import TokenizerDeployment
 
 
-def build_app(config: AppConfig) -> Application:
+def build_app(config: AppConfig, model_server: Deployment = ModelServerDeployment) -> Application:
+    """The application `config` describes. `model_server`: the deployment each model's
+    replicas run; benchmarks give a ModelServer subclass over a stub engine
+    (bench/stub_engine.py), `graph` never does."""
     registry = RegistryDeployment.options(
         ray_actor_options={"num_cpus": config.tokenizer_num_cpus / 4}
     ).bind()
@@ -24,7 +27,7 @@ def build_app(config: AppConfig) -> Application:
         max_ongoing_requests=config.tokenizer_max_ongoing_requests,
         ray_actor_options={"num_cpus": config.tokenizer_num_cpus},
     ).bind(config.models)
-    models = {m.name: model_deployment(m, registry) for m in config.models}
+    models = {m.name: model_deployment(m, registry, model_server) for m in config.models}
     embedder = None
     if config.embeddings.enabled:
         embedder = EmbedderDeployment.options(
@@ -48,10 +51,12 @@ def build_app(config: AppConfig) -> Application:
     ).bind(config, tokenizer, models, embedder, registry, operator)
 
 
-def model_deployment(m: ModelDeploymentConfig, registry: Any) -> Application:
+def model_deployment(
+    m: ModelDeploymentConfig, registry: Any, server: Deployment = ModelServerDeployment
+) -> Application:
     """One model's replicas; `registry` is the EngineRegistry (bound, or a handle to it
     when the model is started at run time by the operator)."""
-    return ModelServerDeployment.options(
+    return server.options(
         name=model_deployment_name(m.name),
         **replica_count(m),
         max_ongoing_requests=m.max_ongoing_requests,

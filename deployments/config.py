@@ -119,13 +119,16 @@ class ModelDeploymentConfig(BaseModel):
         100.0,
         ge=0,
         description="Stream messages a replica sends per second, shared by its open streams "
-        "(tokens in between are merged; first and last tokens go at once). 0: one per token.",
+        "(tokens in between are merged; first and last tokens go at once): each costs CPU "
+        "that a CPU replica's engine shares. 0: no budget (a GPU replica), only "
+        "stream_message_interval_s apart.",
     )
     stream_message_interval_s: float = Field(
         0.02,
         ge=0,
-        description="Shortest gap between two messages of one stream, however few are open "
-        "(unless stream_messages_per_s is 0).",
+        description="Shortest gap between two messages of one stream, however few are open. "
+        "With stream_messages_per_s 0 the longest instead: a stream's tokens are merged only "
+        "while the next is due within it (StreamPacer); both 0: one message per token.",
     )
 
     @field_validator("chat_template")

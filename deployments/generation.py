@@ -233,6 +233,8 @@ class Generation:
             last = attempt == RETRIES_BEFORE_FIRST_TOKEN or not retryable
             try:
                 first = await self._stream.__anext__()
+                if type(first) is tuple:  # a TokenDelta's wire form
+                    first = TokenDelta.from_wire(self.request_id, first)
             except RayActorError as exc:  # the chosen replica died before its first token
                 if last:
                     raise replica_failure(exc) from exc
@@ -325,7 +327,8 @@ class Generation:
             yield first
         try:
             async for item in self._stream:
-                if isinstance(item, TokenDelta):
+                if type(item) is tuple:  # a TokenDelta's wire form
+                    item = TokenDelta.from_wire(self.request_id, item)
                     self._arrived(item)
                 yield item
         except (asyncio.CancelledError, GeneratorExit):

@@ -62,7 +62,10 @@ class TokenTimer:
     """Counts one request's tokens and feeds its TTFT and inter-token latency."""
 
     def __init__(self, metrics: IngressMetrics, model: str, prompt_tokens: int) -> None:
-        self.metrics, self.model = metrics, model
+        # The model's series, looked up once: `tokens` runs for every stream message.
+        self._generated = metrics.generated_tokens.labels(model)
+        self._ttft = metrics.ttft.labels(model)
+        self._itl = metrics.itl.labels(model)
         self.started = time.perf_counter()
         self.first_at: float | None = None
         self.last: float | None = None
@@ -70,10 +73,10 @@ class TokenTimer:
 
     def tokens(self, count: int) -> None:
         now = time.perf_counter()
-        self.metrics.generated_tokens.labels(self.model).inc(count)
+        self._generated.inc(count)
         if self.last is None:
             self.first_at = now
-            self.metrics.ttft.labels(self.model).observe(now - self.started)
+            self._ttft.observe(now - self.started)
         elif count:
-            self.metrics.itl.labels(self.model).observe((now - self.last) / count)
+            self._itl.observe((now - self.last) / count)
         self.last = now

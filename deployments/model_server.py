@@ -24,7 +24,7 @@ from app.engine.engine_process import EngineProcess
 from app.engine.pacing import StreamPacer
 from app.protocol.errors import NotImplementedByServerError, ShoalError
 from app.protocol.messages import ContextOp, EngineErrorMessage, EngineRequest
-from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, TokenDelta
+from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, WireDelta
 from deployments.config import ModelDeploymentConfig
 from deployments.generation import ENGINE_UNAVAILABLE
 from deployments.registry import HEARTBEAT_S, runtime_info
@@ -105,16 +105,17 @@ class ModelServer:
     # ---- generation -----------------------------------------------------------------
     async def generate(
         self, request: EngineRequest
-    ) -> AsyncIterator[TokenDelta | EngineErrorMessage]:
+    ) -> AsyncIterator[WireDelta | EngineErrorMessage]:
         """Yields the first delta as soon as the engine produces it; later ones are paced
-        by the replica's message budget and a stream's shortest gap (see StreamPacer). A
+        by the replica's message budget and a stream's shortest gap (see StreamPacer).
+        Deltas go in their wire form (TokenDelta.wire: cheap for Ray to serialize). A
         failure is the last item."""
         logger.info(
             "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
         try:
             async for delta in self.pacer.pace(self.engine.generate(request)):
-                yield delta
+                yield delta.wire()
         except ShoalError as exc:
             yield EngineErrorMessage(exc.status_code, exc.error_type, exc.message, exc.param)
         except EngineUnavailableError as exc:  # the engine never saw it: send it elsewhere

@@ -48,6 +48,38 @@ class TokenDelta:
     num_cached_tokens: int = 0
     error: EngineErrorMessage | None = None
 
+    def wire(self) -> "WireDelta":
+        """This delta as it crosses the model replica -> ingress hop: plain tuples, ints
+        and strings, which Ray serializes with msgpack. A dataclass goes through
+        cloudpickle instead: a bare Ray stream spent ~100 us more CPU per message on
+        each side with it. Without its request id (the caller knows which request it
+        streams) and its error (a failed request ends with an EngineErrorMessage)."""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = tuple((lp.token_id, lp.logprob, lp.top) for lp in self.logprobs)
+        reason = None if self.finish_reason is None else self.finish_reason.value
+        return (
+            self.index,
+            self.token_ids,
+            reason,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            logprobs,
+        )
+
+    @classmethod
+    def from_wire(cls, request_id: str, wire: "WireDelta") -> "TokenDelta":
+        index, token_ids, reason, prompt, cached, logprobs = wire
+        if logprobs is not None:
+            logprobs = tuple(TokenLogprob(i, lp, top) for i, lp, top in logprobs)
+        finish = None if reason is None else FinishReason(reason)
+        return cls(request_id, index, token_ids, logprobs, finish, prompt, cached)
+
+
+# TokenDelta.wire(): (index, token_ids, finish_reason, num_prompt_tokens,
+# num_cached_tokens, logprobs as (token_id, logprob, top) tuples).
+WireDelta = tuple[int, tuple[int, ...], str | None, int, int, tuple | None]
+
 
 @dataclass(slots=True)
 class CompletionOutput:

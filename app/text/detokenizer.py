@@ -18,8 +18,15 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # A fast tokenizer's own decoder gives transformers' text when transformers cleans
+        # up no spaces, in a third of the time (two decodes per stream message).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        cleans = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend = backend if backend is not None and cleans is False else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int] | tuple[int, ...]) -> str:

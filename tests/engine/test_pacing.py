@@ -72,7 +72,37 @@ def test_a_lone_stream_is_merged_below_the_shortest_gap():
     assert [t for d in out for t in d.token_ids] == list(range(31))
     assert out[0].token_ids == (0,) and out[-1].finish_reason == FinishReason.LENGTH
     assert 2 <= len(out) < len(items) // 2  # first, a few 20 ms merges, last
-    assert paced(StreamPacer(messages_per_s=0, min_interval_s=0.02), items, gap_s=0) == items
+
+
+def test_without_a_budget_the_shortest_gap_still_merges():
+    items = [delta(i) for i in range(30)] + [delta(30, finish=FinishReason.LENGTH)]
+    pacer = StreamPacer(messages_per_s=0, min_interval_s=0.02)  # a GPU replica's pacing
+    pacer.open_streams = 1000  # as many streams as it likes: no budget to share
+    out = paced(pacer, items)  # a token every 2 ms: ~60 ms in all
+    assert [t for d in out for t in d.token_ids] == list(range(31))
+    assert out[0].token_ids == (0,) and out[-1].finish_reason == FinishReason.LENGTH
+    assert 2 <= len(out) < len(items) // 2
+
+
+def test_a_stream_sends_before_its_next_token_would_pass_the_interval():
+    items = [delta(i) for i in range(12)] + [delta(12, finish=FinishReason.LENGTH)]
+    pacer = StreamPacer(messages_per_s=0, min_interval_s=0.1)  # a GPU replica's pacing
+    out = paced(pacer, items, gap_s=0.03)  # tokens 30 ms apart: 3 a message, 90 ms apart
+    assert [t for d in out for t in d.token_ids] == list(range(13))
+    assert out[0].token_ids == (0,) and out[-1].finish_reason == FinishReason.LENGTH
+    assert all(len(d.token_ids) <= 3 for d in out)  # never held past the interval
+    assert all(len(d.token_ids) >= 2 for d in out[1:-1])  # yet merged up to it
+
+
+def test_due():
+    gpu = StreamPacer(messages_per_s=0, min_interval_s=0.1)  # the interval is the longest gap
+    assert gpu.due(waited=0.1, gap=0.0)
+    assert gpu.due(waited=0.08, gap=0.03)  # the next token would come too late
+    assert not gpu.due(waited=0.06, gap=0.03)
+    cpu = StreamPacer(messages_per_s=10, min_interval_s=0.1)  # the shortest gap (alone)
+    cpu.open_streams = 1
+    assert not cpu.due(waited=0.08, gap=0.03) and cpu.due(waited=0.1, gap=0.03)
+    assert StreamPacer(messages_per_s=0).due(waited=0.0, gap=0.0)  # both 0: every token
 
 
 def test_merged_tokens_go_out_before_a_failure():
