@@ -87,3 +87,12 @@ def dot_types(q: torch.Tensor) -> tuple[tl.dtype, str]:
     if q.is_cuda and q.dtype == torch.bfloat16:
         return tl.bfloat16, "tf32"
     return tl.float32, "ieee"
+
+
+def float32_products_on_gpu(q: torch.Tensor) -> bool:
+    """Whether a GPU computes this attention's products as float32 FMAs (float32 queries:
+    no tensor cores). There 64-key tiles of them spilled registers by the KB (ptxas -v for
+    sm_90 and sm_80, Triton 3.9), so such launches take narrower tiles and more warps.
+    Under the interpreter the tiles stay as for 16-bit queries: the same code either
+    way, and the tests' partition counts assume them."""
+    return q.is_cuda and q.dtype == torch.float32

@@ -27,6 +27,7 @@ from app.models.triton_kernels.common import (
     cast_for_store,
     dot_types,
     first_visible,
+    float32_products_on_gpu,
     rows_contiguous,
 )
 
@@ -218,7 +219,10 @@ def paged_decode_attention(
     q = rows_contiguous(q)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     head_pad = triton.next_power_of_2(hd)
-    tile = 64 if head_pad <= 128 else 32  # keys per step: registers bound it at hd 256
+    if float32_products_on_gpu(q):
+        tile, warps = 32, 8
+    else:  # keys per step: registers bound it at hd 256
+        tile, warps = (64, 4) if head_pad <= 128 else (32, 8)
     splits = num_splits or decode_splits(seqs, nkv, q.device)
     dot_dtype, precision = dot_types(q)
     parts = lse = out  # unused with one partition
@@ -257,7 +261,7 @@ def paged_decode_attention(
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
         PRECISION=precision,
-        num_warps=4 if head_pad <= 128 else 8,
+        num_warps=warps,
     )
     if splits > 1:
         _decode_reduce_kernel[(seqs, nh)](

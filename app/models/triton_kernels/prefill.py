@@ -18,6 +18,7 @@ from app.models.triton_kernels.common import (
     cast_for_store,
     dot_types,
     first_visible,
+    float32_products_on_gpu,
     rows_contiguous,
 )
 
@@ -128,9 +129,15 @@ def paged_prefill_attention(
     q = rows_contiguous(q)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     group = nh // nkv
-    rows = max(ROWS, triton.next_power_of_2(group))
-    block_q = rows // group
     head_pad = triton.next_power_of_2(hd)
+    if float32_products_on_gpu(q):  # register-bound: a quarter of the tile or less
+        width, tile, warps = (32, 32, 8) if head_pad <= 128 else (16, 16, 8)
+    else:  # 8 warps from hd 128: 4 spilled a little on sm_80
+        width, tile, warps = (ROWS, 64, 4 if head_pad <= 64 else 8)
+        if head_pad > 128:
+            tile = 32
+    rows = max(width, triton.next_power_of_2(group))
+    block_q = rows // group
     dot_dtype, precision = dot_types(q)
     grid = (tables.shape[0], triton.cdiv(max_query_len, block_q), nkv)
     _prefill_kernel[grid](
@@ -158,9 +165,9 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=rows,
         BLOCK_Q=block_q,
-        TILE_N=64 if head_pad <= 128 else 32,
+        TILE_N=tile,
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
         PRECISION=precision,
-        num_warps=4 if head_pad <= 128 else 8,
+        num_warps=warps,
     )
