@@ -1,8 +1,10 @@
 """Fused decode layers (app/models/quant/fused_decode.py): a step of decodes in one C++
 call per layer returns what the Python layers return, bit for bit: the same tokens and
 the same log-probabilities, whatever the batch (GEMV or tiles), the activations, a
-sliding window or a q/k/v bias. Prefix caching is off so that both runs prefill alike."""
+sliding window or a q/k/v bias. Prefix caching is off so that both runs prefill alike.
+Which models take the fused layers: the families as before, nothing ArchConfig gains."""
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -13,12 +15,13 @@ from torch import nn
 from app.engine import EngineConfig, LLMEngine
 from app.engine import config as engine_config
 from app.models import quant
-from app.models.quant.fused_decode import fuse_decode_layers
+from app.models.arch import ArchConfig
+from app.models.quant.fused_decode import fuse_decode_layers, unfused_fields
 from app.models.quant.linear_module import QuantLinear
 from app.models.quantized_tensor import QuantizedTensor
 from app.protocol import SamplingParams
-from tests.helpers import cpu_engine
-from tests.models.family_checkpoints import WINDOW, save_family_checkpoint
+from tests.helpers import cpu_engine, save_tiny_checkpoint
+from tests.models.family_checkpoints import FAMILIES, WINDOW, save_family_checkpoint
 from tests.models.gguf_writer import write_gguf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
@@ -214,3 +217,71 @@ def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path, m
     for dtype, kv in (("bfloat16", "float32"), ("bfloat16", "float16"), ("float16", "bfloat16")):
         with pytest.raises(ValueError, match="not supported for a"):
             EngineConfig(dtype=dtype, kv_cache_dtype=kv)
+
+
+# Whether each family's int8 model took the fused layers before the allowlist (the
+# denylist's decisions, computed with it); they must not change.
+FUSED_BEFORE = {
+    "llama": True,
+    "qwen2": True,  # a q/k/v bias
+    "mistral": True,
+    "mistral-window": True,
+    "phi3": True,
+    "qwen3": False,  # q/k norms
+    "qwen3-yarn": False,
+    "gemma2": False,  # sandwich norms, soft-capping, GELU
+    "gemma3": False,  # sandwich norms, q/k norms, GELU
+    "phi4-mini": False,  # partial RoPE
+    "mixtral": False,  # experts
+    "qwen2-moe": False,
+    "qwen3-moe": False,  # experts, q/k norms
+}
+_TINY = ("llama", "qwen2", "mistral")
+
+
+def test_fused_before_names_every_family():
+    assert set(FUSED_BEFORE) == set(FAMILIES) | set(_TINY)
+
+
+@pytest.mark.parametrize("family", FUSED_BEFORE)
+def test_families_fuse_as_before(tmp_path: Path, family: str):
+    if family in _TINY:
+        directory = save_tiny_checkpoint(tmp_path, family)
+    else:
+        directory = save_family_checkpoint(tmp_path, family)
+    model = cpu_engine(directory, quantization="int8").loaded.model
+    assert (not unfused_fields(model.arch)) == FUSED_BEFORE[family]
+    assert model.model.fused_decode == FUSED_BEFORE[family]
+
+
+@dataclasses.dataclass(frozen=True)
+class _NewSwitch(ArchConfig):
+    """ArchConfig with a switch added that FUSED_ARCH does not name."""
+
+    new_switch: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _NewSetting(ArchConfig):
+    """... and with a field that has no default to be neutral at."""
+
+    new_setting: int
+
+
+def test_a_field_fused_arch_does_not_name_keeps_python(default_engine: LLMEngine):
+    model = default_engine.loaded.model
+    arch = model.arch
+    assert unfused_fields(arch) == []
+    fields = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}
+    at_default = _NewSwitch(**fields)
+    assert unfused_fields(at_default) == []
+    switched = dataclasses.replace(at_default, new_switch=0.5)
+    assert unfused_fields(switched) == ["new_switch"]
+    assert unfused_fields(_NewSetting(**fields, new_setting=0)) == ["new_setting"]
+    try:
+        model.arch = switched
+        assert not fuse_decode_layers(model)
+        model.arch = at_default
+        assert fuse_decode_layers(model)
+    finally:
+        model.arch = arch

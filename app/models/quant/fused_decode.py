@@ -4,18 +4,22 @@ A 135M model's decode step spends as long in Python between the kernels (module 
 attribute lookups, small tensors) as in the kernels themselves. For a step whose every
 token goes through the decode kernel (decodes; with TorchPagedAttention.token_by_token,
 prompt tokens too), DecoderModel hands each layer to its `fused_decode` instead, which
-runs the same ops in the same order from C++ and so returns the same bits. Layers the C++ does
-not cover (q/k norms, sandwich norms, soft-capping, partial RoPE, experts, float
-weights, tensor parallelism, non-float32 activations) leave the whole model on the
-Python path. SHOAL_FUSED_DECODE=0 turns it off.
+runs the same ops in the same order from C++ and so returns the same bits. A model
+whose ArchConfig asks for anything the C++ does not run (FUSED_ARCH below: q/k norms,
+sandwich norms, soft-capped scores, partial RoPE, experts, a switch added since), or
+whose layers it cannot take as loaded (float weights, tensor parallelism, non-float32
+activations), stays whole on the Python path. SHOAL_FUSED_DECODE=0 turns it off.
 """
 
+import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from app.models import quant
+from app.models.arch import ArchConfig
 from app.models.attention import DecodeInputs
 from app.models.decoder import DecoderForCausalLM, DecoderLayer
 from app.models.dense_mlp import DenseMLP
@@ -24,6 +28,64 @@ from app.models.quant.linear_module import QuantLinear
 from app.models.quant.packed_weight import PackedWeight
 
 RunSpec = tuple[int, list[torch.Tensor], int, int, int]  # qtype, parts, rows, cols, start
+
+
+def _any(value: Any, arch: ArchConfig) -> bool:
+    return True
+
+
+# What decode_layer.cpp runs: ArchConfig field -> the values it runs that field with.
+# An allowlist, not a list of what it cannot run, so that a switch added to ArchConfig
+# later keeps quantized models off the fused path (which would skip it: wrong tokens,
+# silently) until someone names it here. Every field not named here must hold its
+# default, Llama's, which is the layer the C++ computes.
+FUSED_ARCH: dict[str, Callable[[Any, ArchConfig], bool]] = {
+    # sizes, names and settings outside the decoder layers (embeddings, logits, sampling)
+    "architecture": _any,
+    "vocab_size": _any,
+    "hidden_size": _any,
+    "intermediate_size": _any,
+    "num_layers": _any,
+    "max_position_embeddings": _any,
+    "tie_word_embeddings": _any,
+    "eos_token_ids": _any,
+    "embed_scale": _any,
+    "final_softcap": _any,
+    # arguments of DecodeLayer (a head_dim its attention cannot take fails there, as it
+    # does on the Python path)
+    "num_heads": _any,
+    "num_kv_heads": _any,
+    "head_dim": _any,
+    "rms_norm_eps": _any,
+    "qkv_bias": _any,
+    "attn_scale": _any,
+    "layer_windows": _any,
+    # in the cos/sin tables DecoderModel passes each layer, or the norm weights it takes
+    "rope_theta": _any,
+    "rope_scaling": _any,
+    "local_rope_theta": _any,
+    "norm_weight_offset": _any,  # folded into the weights at load
+    # switches the C++ runs one way only
+    "hidden_act": lambda act, arch: act == "silu",  # silu_mul
+    "rotary_dim": lambda dim, arch: dim in (None, arch.head_dim),  # RoPE over whole heads
+    "moe": lambda moe, arch: not any(arch.is_sparse(i) for i in range(arch.num_layers)),
+}
+
+
+def unfused_fields(arch: ArchConfig) -> list[str]:
+    """The fields of `arch` that keep its layers off the fused path (FUSED_ARCH)."""
+    return [f.name for f in dataclasses.fields(arch) if not _runs_field(f, arch)]
+
+
+def _runs_field(f: dataclasses.Field[Any], arch: ArchConfig) -> bool:
+    value = getattr(arch, f.name)
+    if f.name in FUSED_ARCH:
+        return FUSED_ARCH[f.name](value, arch)
+    if f.default is not dataclasses.MISSING:
+        return bool(value == f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return bool(value == f.default_factory())
+    return False  # no default to be neutral at
 
 
 class FusedDecodeLayer:
@@ -52,6 +114,8 @@ def fuse_decode_layers(model: DecoderForCausalLM) -> bool:
     """Give every layer of `model` a fused decode, or none; whether it did."""
     if os.environ.get("SHOAL_FUSED_DECODE", "1") == "0" or model.tp.enabled:
         return False
+    if unfused_fields(model.arch):
+        return False
     module = quant.load()
     if module is None:
         return False
@@ -65,18 +129,16 @@ def fuse_decode_layers(model: DecoderForCausalLM) -> bool:
 
 
 def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
+    """The layer as DecodeLayer, or None where its weights or kernels as loaded are not
+    what the C++ takes (what the architecture asks for is FUSED_ARCH's to check)."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (
-        layer.sandwich
-        or attn.q_norm is not None
-        or not set(attn.attn_options) <= {"window"}
-        or attn.rotary_dim != attn.head_dim
+        not set(attn.attn_options) <= {"window"}  # the only option DecodeLayer takes
         or attn.exact
         or any(n.exact or n.eps != norms[0].eps for n in norms)
         or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
         or not isinstance(mlp, DenseMLP)
-        or mlp.act != "silu"
         or mlp.exact  # its Python path would take torch's silu, not silu_mul
         or mlp.fused is not None
     ):
