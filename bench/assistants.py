@@ -135,7 +135,7 @@ class Client:
 def warm_phase(c: Client, repeats: int, turns: int, figures: dict) -> list[list[dict]]:
     """(a), (b) and (d) per repeat; returns each thread's (c) chat messages."""
     from app.protocol.messages import ContextAction, ContextOp
-    from deployments.assistants.thread_context import context_id
+    from deployments.api.assistants.thread_context import context_id
 
     assistant = c.call("POST", "/v1/assistants", {"model": c.model, "instructions": SYSTEM})
     c.chat([{"role": "user", "content": "Hello!"}])  # warm-up

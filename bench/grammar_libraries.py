@@ -161,7 +161,7 @@ def xgrammar_side(tokenizer, vocab: int, docs, free_docs, cold_schemas) -> dict 
 
 def main() -> None:
     from app.models.source import resolve_model
-    from app.models.tokenizer import load_tokenizer
+    from app.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("default"))
     vocab = len(tokenizer)

@@ -168,7 +168,7 @@ def load_transformers_dense(model: str, dtype: torch.dtype):
     baseline we build its dense model and hand it the dequantized weights."""
     from transformers import AutoModelForCausalLM
 
-    from app.models.arch import ArchConfig
+    from app.models.families import read_arch_config
     from app.models.loader import load_hf_config
     from app.models.source import resolve_model
     from app.models.weights import iter_weights
@@ -178,7 +178,7 @@ def load_transformers_dense(model: str, dtype: torch.dtype):
         return AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype).eval()
     config = load_hf_config(source)
     hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = dict(iter_weights(source, ArchConfig.from_hf(config, source.name)))
+    state = dict(iter_weights(source, read_arch_config(config, source.name)))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer as llama_cpp  # noqa: E402
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.models.tokenizer import chat_token_ids, load_tokenizer  # noqa: E402
 from app.protocol import SamplingParams  # noqa: E402
+from app.text.tokenizer import chat_token_ids, load_tokenizer  # noqa: E402
 
 TEXT = Path(__file__).with_name("data") / "lighthouses.txt"
 PROMPTS = [

@@ -125,7 +125,7 @@ def tokens_per_char(model, max_tokens: int) -> float:  # noqa: ANN001
     from stub_engine import output_text
 
     from app.models.source import resolve_model
-    from app.models.tokenizer import load_tokenizer
+    from app.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(model.engine.model))
     return max_tokens / len(output_text(tokenizer, max_tokens))
@@ -230,7 +230,7 @@ def main() -> None:
     from ray import serve
 
     from deployments.config import AppConfig
-    from deployments.operator.serve_deployer import model_deployment_name
+    from deployments.model_deployment import model_deployment_name
 
     # Room for every client at the model: this measures Serve's path, not admission.
     model = {

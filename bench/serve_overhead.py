@@ -128,10 +128,10 @@ def bench_in_process(config, levels: list[tuple[int, int]], max_tokens: int) -> 
     from app.engine.async_engine import AsyncEngine
     from app.engine.engine import LLMEngine
     from app.models.source import resolve_model
-    from app.models.tokenizer import chat_token_ids, load_tokenizer
     from app.protocol import SamplingParams
     from app.protocol.messages import EngineRequest
     from app.text.detokenizer import IncrementalDetokenizer
+    from app.text.tokenizer import chat_token_ids, load_tokenizer
 
     engine_config = config.models[0].engine
     torch.set_num_threads(engine_config.threads)

@@ -39,7 +39,7 @@ TOPICS = [
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:  # noqa: ANN001
-    from app.models.tokenizer import chat_token_ids
+    from app.text.tokenizer import chat_token_ids
 
     out = []
     for i in range(n):
@@ -77,8 +77,8 @@ def main() -> None:
     from app.engine import LLMEngine
     from app.engine.config import EngineConfig
     from app.models.source import resolve_model
-    from app.models.tokenizer import load_tokenizer
     from app.protocol.sampling import Constraint, SamplingParams
+    from app.text.tokenizer import load_tokenizer
 
     engine = LLMEngine(EngineConfig(max_num_seqs=max(args.streams, 32)))
     tokenizer = load_tokenizer(resolve_model(engine.config.model))

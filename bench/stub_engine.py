@@ -152,7 +152,7 @@ class StubModelServer(ModelServer):
 
     def __init__(self, config: ModelDeploymentConfig, registry: object = None) -> None:
         from app.models.source import resolve_model
-        from app.models.tokenizer import load_tokenizer
+        from app.text.tokenizer import load_tokenizer
 
         ids = text_ids(load_tokenizer(resolve_model(config.engine.model)))
         max_len = config.engine.max_model_len or 8192

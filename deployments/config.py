@@ -170,7 +170,7 @@ DEFAULT_ASSISTANTS_DB = "~/.shoal/assistants.sqlite3"
 
 
 class AssistantsConfig(BaseModel):
-    """OpenAI's Assistants API: its state lives in one SQL database (deployments/assistants)."""
+    """OpenAI's Assistants API: its state lives in one SQL database (deployments/state)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -297,14 +297,11 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_assistants_database(self) -> "AppConfig":
-        if (
-            self.ingress_replicas > 1
-            and self.assistants.enabled
-            and not self.assistants.database_url
-        ):
+        # Stored Responses (and Assistants, when on) must be where every replica reads them.
+        if self.ingress_replicas > 1 and not self.assistants.database_url:
             raise ValueError(
-                "ingress replicas would each keep their own Assistants SQLite file: set "
-                "assistants.database_url to a database they share, or assistants.enabled: false"
+                "ingress replicas would each keep their own SQLite file of stored Responses "
+                "and Assistants: set assistants.database_url to a database they share"
             )
         return self
 

@@ -1,9 +1,11 @@
-"""Embeddings deployment: all-MiniLM-L6-v2 (mean pooling, L2-normalised) on CPU."""
+"""Embeddings deployment: all-MiniLM-L6-v2 (mean pooling, L2-normalised) on CPU.
+
+torch and transformers are imported in the replica (`Embedder.__init__`), not by this
+module: the `serve run` driver imports it to bind the deployment."""
 
 import importlib.util
 from pathlib import Path
 
-import torch
 from ray import serve
 
 from app.protocol.errors import InvalidRequestError, ModelLoadError
@@ -19,6 +21,7 @@ def default_embedding_path() -> Path:
 
 class Embedder:
     def __init__(self, config: EmbeddingsConfig) -> None:
+        import torch
         from transformers import AutoModel, AutoTokenizer
 
         torch.set_num_threads(1)
@@ -32,19 +35,21 @@ class Embedder:
         start = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
         self.around = (full[:start], full[start + len(bare) :])
 
-    @torch.inference_mode()
     def embed(
         self, inputs: list[str | list[int | str]], truncate: bool = True
     ) -> tuple[list[list[float]], int]:
         """One unit vector per input, and the number of tokens read. An input is a text,
         or pieces: token ids of this model's vocabulary and texts. One longer than the
         model reads is cut to fit with `truncate` (Ollama's way), else refused (OpenAI's)."""
+        import torch
+
         rows = [self._ids(x, i, truncate) for i, x in enumerate(inputs)]
         batch = self.tokenizer.pad({"input_ids": rows}, return_tensors="pt")
-        hidden = self.model(**batch).last_hidden_state  # (B, L, H)
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        vectors = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        with torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state  # (B, L, H)
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            vectors = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return vectors.tolist(), int(batch["attention_mask"].sum())
 
     def _ids(self, value: str | list[int | str], index: int, truncate: bool) -> list[int]:

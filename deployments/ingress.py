@@ -4,7 +4,7 @@ It holds the handles of the other deployments, the models' tokenizers (for decod
 this process), the metrics, and the one way to start a generation (`generate`: always
 timed and counted). Routes get it as a FastAPI dependency (`IngressDep`) from the app's
 state, so a route can run in-process over local deployments (tests) as well as in a
-Serve replica (deployments/ingress_app.py). No model work happens here.
+Serve replica (deployments/http/app.py). No model work happens here.
 """
 
 import asyncio
@@ -17,17 +17,17 @@ from fastapi import Depends, Request
 from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
-from app.models.tokenizer import load_tokenizer, tools_template
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.messages import ContextOp, EngineRequest, PromptEnding, TemplateArgs
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
 from app.text.reasoning import REASONING_FORMATS, ReasoningFormat, template_format
+from app.text.tokenizer import load_tokenizer, tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
-from deployments.generation import Generation, overloaded
-from deployments.metrics import IngressMetrics, TokenTimer
-from deployments.request_guard import Admission
+from deployments.http.generation import Generation, overloaded
+from deployments.http.guard import Admission
+from deployments.http.metrics import IngressMetrics, TokenTimer
 
 logger = logging.getLogger("ray.serve")
 # Enough of the prompt's end to find a thinking block its template or prefill opened.
@@ -226,7 +226,7 @@ class Ingress:
         args: TemplateArgs | None = None,
     ) -> list[int]:
         """The prompt's ids under the model's chat template (or the request's own, with
-        its variables: `args`), ending as `ending` says (app/models/tokenizer.py)."""
+        its variables: `args`), ending as `ending` says (app/text/tokenizer.py)."""
         source = self.model(model).engine.model
         try:
             return await self.tokenizer.encode_chat.remote(

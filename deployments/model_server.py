@@ -21,13 +21,13 @@ from ray import serve
 from app.engine import slot_files
 from app.engine.client import EngineClient, EngineDeadError, EngineUnavailableError
 from app.engine.engine_process import EngineProcess
-from app.engine.pacing import StreamPacer
 from app.protocol.errors import NotImplementedByServerError, ShoalError
 from app.protocol.messages import ContextOp, EngineErrorMessage, EngineRequest
 from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, WireDelta
 from deployments.config import ModelDeploymentConfig
-from deployments.generation import ENGINE_UNAVAILABLE
-from deployments.registry import HEARTBEAT_S, runtime_info
+from deployments.http.generation import ENGINE_UNAVAILABLE
+from deployments.pacing import StreamPacer
+from deployments.registry import HEARTBEAT_S, KEEPALIVE_S, runtime_info
 from deployments.shard_actor import ShardGroup
 
 logger = logging.getLogger("ray.serve")
@@ -67,6 +67,10 @@ class ModelServer:
         self.engine: EngineClient = engine
         self.pacer = StreamPacer(config.stream_messages_per_s, config.stream_message_interval_s)
         self._stopping = threading.Event()
+        # Set by what changes the engine's figures (a request, a context freed or
+        # restored): wakes an idle heartbeat loop. `_streams`: generations open here.
+        self._activity = threading.Event()
+        self._streams = 0
         if registry is not None:
             threading.Thread(
                 target=self._heartbeats, args=(registry,), name="shoal-heartbeat", daemon=True
@@ -82,8 +86,14 @@ class ModelServer:
         threading.Timer(EXIT_AFTER_ENGINE_DEATH_S, os._exit, args=(1,)).start()
 
     def _heartbeats(self, registry: Any) -> None:
-        """Register with the EngineRegistry, then send runtime info every HEARTBEAT_S."""
+        """Register with the EngineRegistry, then send runtime info when it changes. While
+        the engine has work (or had since the last reading) its figures are read every
+        HEARTBEAT_S; once they show it idle they are not read again until something
+        happens here (`_activity`), and the replica only says it lives every KEEPALIVE_S:
+        an idle replica neither wakes its engine nor calls the registry on a short timer."""
         registered, previous, last = False, None, time.monotonic()
+        info: dict | None = None
+        sent, sent_at, quiet = None, 0.0, False
         while not self._stopping.is_set():
             try:
                 if not registered:
@@ -92,15 +102,30 @@ class ModelServer:
                     registry.register.remote(
                         self.replica_id, self.config.name, engine, node
                     ).result(timeout_s=10)
-                    registered = True
-                stats = asyncio.run(self.engine.stats())
+                    registered, sent = True, None
+                if not quiet or self._activity.is_set():
+                    self._activity.clear()
+                    stats = asyncio.run(self.engine.stats())
+                    now = time.monotonic()
+                    info = runtime_info(stats, previous, now - last)
+                    previous, last = stats, now
+                    busy = info["num_running"] or info["num_waiting"] or info["tokens_per_s"]
+                    quiet = not busy and not self._streams
                 now = time.monotonic()
-                info = runtime_info(stats, previous, now - last)
-                previous, last = stats, now
-                registered = registry.heartbeat.remote(self.replica_id, info).result(timeout_s=10)
+                if info is not None and (info != sent or now - sent_at >= 0.9 * KEEPALIVE_S):
+                    registered = registry.heartbeat.remote(self.replica_id, info).result(
+                        timeout_s=10
+                    )
+                    sent, sent_at = info, now
+                    if not registered:  # dropped out (a new registry): register at once
+                        continue
             except Exception as exc:  # the registry restarting, the engine gone: retry
                 logger.debug("heartbeat failed: %s", exc)
-            self._stopping.wait(HEARTBEAT_S)
+                quiet = False
+            if quiet:
+                self._activity.wait(KEEPALIVE_S)
+            else:
+                self._stopping.wait(HEARTBEAT_S)
 
     # ---- generation -----------------------------------------------------------------
     async def generate(
@@ -113,6 +138,8 @@ class ModelServer:
         logger.info(
             "request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
+        self._streams += 1
+        self._activity.set()
         try:
             async for delta in self.pacer.pace(self.engine.generate(request)):
                 yield delta.wire()
@@ -125,6 +152,9 @@ class ModelServer:
         except Exception as exc:
             logger.exception("request %s failed", request.request_id)
             yield EngineErrorMessage(503, "engine_error", f"the model replica failed: {exc}")
+        finally:
+            self._streams -= 1
+            self._activity.set()
 
     # ---- contexts -------------------------------------------------------------------
     async def context_tokens(self, op: ContextOp) -> list[int]:
@@ -132,7 +162,10 @@ class ModelServer:
 
     async def free_context(self, op: ContextOp) -> int:
         """Drop a context; returns how many tokens it held."""
-        return await self.engine.free_context(op.context_id)
+        try:
+            return await self.engine.free_context(op.context_id)
+        finally:
+            self._activity.set()
 
     async def save_context(self, op: ContextOp, filename: str) -> ContextFile:
         """Write the context's tokens and KV to `filename` in the model's slot_save_path
@@ -142,7 +175,10 @@ class ModelServer:
         return await self.engine.save_context(op.context_id, str(path), quota)
 
     async def restore_context(self, op: ContextOp, filename: str) -> ContextFile:
-        return await self.engine.restore_context(op.context_id, str(self._slot_file(filename)))
+        try:
+            return await self.engine.restore_context(op.context_id, str(self._slot_file(filename)))
+        finally:
+            self._activity.set()
 
     def _slot_file(self, filename: str) -> Path:
         if self.config.slot_save_path is None:
@@ -177,6 +213,9 @@ class ModelServer:
         stopping = getattr(self, "_stopping", None)
         if stopping is not None:
             stopping.set()
+        activity = getattr(self, "_activity", None)
+        if activity is not None:
+            activity.set()  # an idle heartbeat loop waits on this one
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()  # tells the shards to stop too

@@ -2,24 +2,60 @@
 /register_engine and /engine_heartbeat, mapped onto Serve replicas).
 
 Each ModelServer registers when it starts and sends a heartbeat with its runtime info
-every HEARTBEAT_S; an engine that misses heartbeats for STALE_AFTER_S drops out of the
-list. The registry is plain state in one light Serve deployment; the ingress reads it for
-GET /engines.
+when it changes (read every HEARTBEAT_S while the engine has work), and at least every
+KEEPALIVE_S while it does not; an engine that misses heartbeats for STALE_AFTER_S drops
+out of the list. Nothing routes by these figures (Serve's router asks the replicas for
+their queue lengths itself): they feed GET /engines, /metrics and the operator's
+`metrics` events, so an idle replica says only that it is still there, and seldom. The
+registry is plain state in one light Serve deployment; the ingress reads it for GET
+/engines, the operator waits on it (`watch`) rather than polling.
 """
 
+import asyncio
+import contextlib
 import time
 from typing import Any
 
 from ray import serve
 
-HEARTBEAT_S = 2.0
-STALE_AFTER_S = 3 * HEARTBEAT_S
+HEARTBEAT_S = 2.0  # a replica whose engine has work reads its figures this often
+KEEPALIVE_S = 5.0  # an idle replica's figures do not change: it says it lives this often
+STALE_AFTER_S = 3 * KEEPALIVE_S
 
 
 class EngineRegistry:
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self.engines: dict[str, dict[str, Any]] = {}
+        self.version = 0  # counts the changes of the list's figures (see `watch`)
+        self._changed: tuple[asyncio.Event, asyncio.AbstractEventLoop] | None = None
+
+    def _bump(self) -> None:
+        """An engine joined, left or reported other figures: wake the watchers."""
+        self.version += 1
+        waiting, self._changed = self._changed, None
+        if waiting is not None:
+            event, loop = waiting
+            try:
+                here = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            if here is loop:
+                event.set()
+            else:  # a sync method run in Serve's thread pool
+                loop.call_soon_threadsafe(event.set)
+
+    async def watch(self, version: int, timeout_s: float) -> tuple[int, list[dict[str, Any]]]:
+        """(version, list) once the figures differ from those of `version` (at once if
+        they already do), or after `timeout_s`: a long poll, so that a reader learns of a
+        change when it happens and costs nothing while there is none."""
+        if version == self.version:
+            if self._changed is None:
+                self._changed = (asyncio.Event(), asyncio.get_running_loop())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed[0].wait(), timeout_s)
+        engines = self.list()  # drops the silent ones first (a change)
+        return self.version, engines
 
     def register(
         self, engine_id: str, engine_name: str, config: dict[str, Any], node_id: str | None = None
@@ -34,6 +70,7 @@ class EngineRegistry:
             "last_heartbeat": now,
             "runtime_info": {},
         }
+        self._bump()
 
     def heartbeat(self, engine_id: str, runtime_info: dict[str, Any]) -> bool:
         """False when the engine is not registered (dropped out): it registers again."""
@@ -41,7 +78,9 @@ class EngineRegistry:
         if engine is None:
             return False
         engine["last_heartbeat"] = time.time()
-        engine["runtime_info"] = runtime_info
+        if engine["runtime_info"] != runtime_info:
+            engine["runtime_info"] = runtime_info
+            self._bump()
         return True
 
     def list(self) -> list[dict[str, Any]]:
@@ -50,6 +89,7 @@ class EngineRegistry:
             e for e, v in self.engines.items() if now - v["last_heartbeat"] > self.stale_after_s
         ]:
             del self.engines[engine_id]
+            self._bump()
         return [
             {**v, "seconds_since_heartbeat": round(now - v["last_heartbeat"], 2)}
             for v in self.engines.values()

@@ -14,7 +14,6 @@ from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.engine.config import EngineConfig
-from app.engine.shard import run_shard
 from deployments.config import ModelDeploymentConfig
 
 logger = logging.getLogger("ray.serve")
@@ -23,6 +22,10 @@ logger = logging.getLogger("ray.serve")
 @ray.remote(max_concurrency=2)  # `run` holds one thread for the replica's life; `pid` the other
 class ShardActor:
     def run(self, config_json: str, rank: int, master: str) -> None:
+        # torch and the model are imported here, in the shard's own process: the replica
+        # that imports this module to start its shards maps no libtorch.
+        from app.engine.shard import run_shard
+
         config = EngineConfig.model_validate_json(config_json)
         # Ray sets OMP_NUM_THREADS to this actor's num_cpus; the shard wants its own count.
         os.environ["OMP_NUM_THREADS"] = str(config.threads)

@@ -6,9 +6,9 @@ from typing import Any
 from ray import serve
 
 from app.models.source import resolve_model
-from app.models.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.messages import PromptEnding, TemplateArgs
+from app.text.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
 from deployments.config import ModelDeploymentConfig
 
 

@@ -19,6 +19,20 @@ os.environ.setdefault("SHOAL_ASSISTANTS_DB", str(_STATE / "assistants.sqlite3"))
 os.environ.setdefault("SHOAL_MODELS_DIR", str(_STATE / "models"))  # the operator's downloads
 
 
+# Two tiers. `live` marks every test that starts Ray or a server: the live app and Ray
+# clusters (tests/serve, tests/cluster), PostgreSQL, the fixture Hub. `pytest -m "not
+# live"` runs the rest, in-process over the real model: the everyday command.
+LIVE_FOLDERS = {"serve", "cluster"}
+LIVE_FIXTURES = {"serve_app", "base_url", "hub", "postgres_url"}
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
+    for item in items:
+        folder = item.path.relative_to(Path(__file__).parent).parts[0]
+        if folder in LIVE_FOLDERS or LIVE_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.live)
+
+
 def _without_default_model(exc: BaseException) -> bool:
     """The default model's package is absent: the GPU host's case (98 MB is more than a
     device call carries). Everywhere else setup.sh installs it and nothing skips."""
@@ -88,6 +102,6 @@ def smollm2_hf():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from app.models.source import resolve_model
-    from app.models.tokenizer import load_tokenizer
+    from app.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("default"))

@@ -147,7 +147,7 @@ def save_tiny_chat_model(directory: Path) -> Path:
     """A random 2-layer Llama over the default model's own tokenizer (its vocabulary and
     chat template): about 13 MB of safetensors, loadable by the engine."""
     from app.models.source import resolve_model
-    from app.models.tokenizer import load_tokenizer
+    from app.text.tokenizer import load_tokenizer
     from tests.helpers import save_tiny_checkpoint
 
     tokenizer = load_tokenizer(resolve_model("default"))

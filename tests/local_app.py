@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from app.engine import LLMEngine
 from app.engine.async_engine import AsyncEngine
 from deployments.config import AppConfig
+from deployments.http.app import create_app
 from deployments.ingress import Ingress
-from deployments.ingress_app import create_app
 from deployments.model_server import ModelServer
 from deployments.tokenizer import Tokenizer
 

@@ -1,11 +1,21 @@
-"""EngineConfig: every knob of one engine, validated once, with the reason for each default."""
+"""EngineConfig: every knob of one engine, validated once, with the reason for each default.
+
+Importing this module imports no torch: the Ingress, registry, operator and `serve run`
+driver validate AppConfig (which holds EngineConfigs) without mapping libtorch. The
+properties that resolve torch devices and dtypes import it when first read (in the
+engine's processes)."""
 
 import os
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import torch
+
+# Bytes per element of the dtypes a config can name (torch's itemsize for each).
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class EngineConfig(BaseModel):
@@ -102,20 +112,24 @@ class EngineConfig(BaseModel):
     def _kv_cache_dtype_fits(self) -> "EngineConfig":
         # with dtype 'auto' the model's dtype is known only at load (load_runner checks)
         if self.dtype != "auto" and self.kv_cache_dtype != "auto":
-            check_kv_cache_dtype(getattr(torch, self.dtype), getattr(torch, self.kv_cache_dtype))
+            _check_kv_cache_dtype_names(self.dtype, self.kv_cache_dtype)
         return self
 
     @cached_property
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @cached_property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         """The dtype asked for, 'auto' resolved by the device alone; with 'auto', a model
         whose weights stay quantized computes in float32 on a CPU (load_runner), which
         LoadedModel.dtype and ModelRunner.dtype say."""
+        import torch
+
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         if self.torch_device.type == "cuda":
@@ -134,13 +148,21 @@ class EngineConfig(BaseModel):
         return "nccl" if self.torch_device.type == "cuda" else "gloo"
 
 
-def check_kv_cache_dtype(model: torch.dtype, cache: torch.dtype) -> None:
+def check_kv_cache_dtype(model: "torch.dtype", cache: "torch.dtype") -> None:
     """A cache holds the model's dtype, or a 16-bit one under float32 (the kernels widen
     what they read to float32; nothing narrower than the model reads wider keys)."""
-    if cache != model and not (model == torch.float32 and cache.itemsize == 2):
+    _check_kv_cache_dtype_names(
+        str(model).removeprefix("torch."), str(cache).removeprefix("torch."), cache.itemsize
+    )
+
+
+def _check_kv_cache_dtype_names(model: str, cache: str, cache_itemsize: int | None = None) -> None:
+    """check_kv_cache_dtype on dtype names ('float32', ...), without torch."""
+    itemsize = _ITEMSIZE.get(cache) if cache_itemsize is None else cache_itemsize
+    if cache != model and not (model == "float32" and itemsize == 2):
         raise ValueError(
-            f"kv_cache_dtype {str(cache).removeprefix('torch.')!r} is not supported for a "
-            f"{str(model).removeprefix('torch.')} model: the model's dtype, or float16 or "
+            f"kv_cache_dtype {cache!r} is not supported for a "
+            f"{model} model: the model's dtype, or float16 or "
             "bfloat16 under float32"
         )
 

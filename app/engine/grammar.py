@@ -92,7 +92,7 @@ def llg_tokenizer(source: ModelSource, vocab_size: int, eos_token_ids: tuple[int
         if key not in _tokenizers:
             import llguidance.hf
 
-            from app.models.tokenizer import load_tokenizer
+            from app.text.tokenizer import load_tokenizer
 
             hf = load_tokenizer(source)
             _tokenizers[key] = llguidance.hf.from_tokenizer(

@@ -10,7 +10,8 @@ from app.engine.decode_graphs import DecodeGraphs
 from app.engine.input_batch import InputBatch, StepInputs
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
-from app.models.attention import AttentionBackend, select_backend
+from app.models.attention import AttentionBackend
+from app.models.attention_backends import select_backend
 from app.models.decoder import (
     Attention,
     DecoderForCausalLM,

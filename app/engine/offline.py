@@ -7,17 +7,26 @@ are ignored.
 
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app.protocol.outputs import CompletionOutput, RequestOutput, TokenDelta
 from app.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from app.engine.engine import LLMEngine
+
+class Steppable(Protocol):
+    """What offline generation needs of an engine (LLMEngine's own methods)."""
+
+    has_work: bool
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None: ...
+
+    def step(self) -> list[TokenDelta]: ...
 
 
 def generate(
-    engine: "LLMEngine",
+    engine: Steppable,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
 ) -> list[RequestOutput]:

@@ -6,6 +6,10 @@ dtype or block size, or from a damaged file, raises InvalidRequestError and touc
 nothing. Names are checked before any path is built: letters, digits, `.`, `_` and `-`
 only (which rules out separators, `..`, control characters and look-alike Unicode), at
 most 255 bytes, no leading dot.
+
+torch is imported by the functions that read or write a file, not by the module: a
+ModelServer replica checks names here (`checked_path`) and maps no libtorch (its engine
+process does the saving and loading).
 """
 
 import os
@@ -13,18 +17,29 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from app.protocol.errors import ConflictError, InvalidRequestError, NotImplementedByServerError
+
+if TYPE_CHECKING:
+    import torch
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 FORMAT = "shoal-slot-v1"
 SAFE_TORCH = (2, 6)  # the first torch whose weights_only load has no known bypass
 
 
+def __getattr__(name: str) -> Any:
+    if name == "torch":  # `slot_files.torch`, as before torch was imported lazily
+        import torch
+
+        return torch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def torch_version() -> tuple[int, int]:
+    import torch
+
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
 
@@ -65,9 +80,11 @@ def checked_path(directory: str | Path, filename: str) -> Path:
 
 
 def save(
-    path: Path, fingerprint: dict[str, Any], tokens: list[int], computed: int, kv: torch.Tensor
+    path: Path, fingerprint: dict[str, Any], tokens: list[int], computed: int, kv: "torch.Tensor"
 ) -> int:
     """Write atomically (temp file + rename): a crash never leaves half a file."""
+    import torch
+
     payload = {
         "format": FORMAT,
         "fingerprint": fingerprint,
@@ -92,12 +109,14 @@ class SlotFile:
 
     tokens: list[int]
     computed: int
-    kv: torch.Tensor  # (layers, 2, blocks, *block shape), on the CPU
+    kv: "torch.Tensor"  # (layers, 2, blocks, *block shape), on the CPU
     num_bytes: int
 
 
 def load(path: Path, fingerprint: dict[str, Any], max_bytes: int) -> SlotFile:
     """Read and check a file written by `save`; refuse one over `max_bytes` unread."""
+    import torch
+
     if torch_version() < SAFE_TORCH:
         raise NotImplementedByServerError(
             f"slot restore needs torch >= {SAFE_TORCH[0]}.{SAFE_TORCH[1]} (CVE-2025-32434), "

@@ -75,9 +75,3 @@ class ArchConfig:
         return self.moe is not None and (
             not self.moe.sparse_layers or self.moe.sparse_layers[layer]
         )
-
-    @classmethod
-    def from_hf(cls, hf_config: Any, model_name: str) -> "ArchConfig":
-        from app.models.families import read_arch_config
-
-        return read_arch_config(hf_config, model_name)

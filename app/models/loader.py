@@ -10,6 +10,7 @@ from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.decoder import DecoderForCausalLM, rotary_tables
+from app.models.families import read_arch_config
 from app.models.parallel import TPGroup, check_divisible
 from app.models.quant.fused_decode import fuse_decode_layers
 from app.models.quantized_model import (
@@ -51,7 +52,7 @@ def load_hf_config(source: ModelSource) -> Any:
 
 
 def read_arch(source: ModelSource) -> ArchConfig:
-    return ArchConfig.from_hf(load_hf_config(source), source.name)
+    return read_arch_config(load_hf_config(source), source.name)
 
 
 @reading_gguf_once()
@@ -96,12 +97,7 @@ def load_model(
         loaded = load_weights(model, iter_weights(source, arch, keep), tp)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(source.name, f"corrupt or mismatched weights: {exc}") from exc
-    missing = expected_pieces(model) - loaded
-    if missing:
-        shown = ", ".join(sorted(missing)[:5])
-        raise ModelLoadError(
-            source.name, f"{len(missing)} weights missing from the checkpoint: {shown}"
-        )
+    _check_complete(model, loaded, source)
     if quantization == "int8":
         if device.type != "cpu" or tp.enabled:
             raise ModelLoadError(source.name, "quantization 'int8' runs on one CPU shard only")
@@ -202,6 +198,15 @@ def kept_quantized_types(
     if source.is_gguf:
         logger.info("%s: dequantizing the GGUF weights (%s)", source.name, reason)
     return frozenset()
+
+
+def _check_complete(model: DecoderForCausalLM, loaded: set[str], source: ModelSource) -> None:
+    missing = expected_pieces(model) - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:5])
+        raise ModelLoadError(
+            source.name, f"{len(missing)} weights missing from the checkpoint: {shown}"
+        )
 
 
 def _tie(model: DecoderForCausalLM, arch: ArchConfig) -> None:

@@ -1,4 +1,5 @@
-"""Neutral request/response types shared by the engine and every API dialect."""
+"""Neutral types shared by the engine and every API dialect: sampling parameters, engine
+requests and their outputs, errors. No dialect's schema lives here (deployments/api)."""
 
 from app.protocol.errors import (
     ContextLengthExceededError,

@@ -27,7 +27,7 @@ __all__ = [
 PromptEnding = Literal["reply", "continue", "none"]
 
 # A request's own chat template is user input run as (sandboxed) code: bounded in size
-# here, in time and memory where it is rendered (app/models/request_template.py).
+# here, in time and memory where it is rendered (app/text/request_template.py).
 MAX_TEMPLATE_CHARS = 64 * 1024
 MAX_TEMPLATE_VARIABLES_CHARS = 64 * 1024  # chat_template_kwargs, as JSON
 

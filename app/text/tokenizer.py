@@ -5,13 +5,13 @@ import inspect
 from importlib.resources import files
 from typing import Any
 
-from app.models.request_template import RenderJob, render_request_template
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError, ModelLoadError
 from app.protocol.messages import PromptEnding, TemplateArgs
+from app.text.request_template import RenderJob, render_request_template
 
 # For ChatML models whose own template has no tools (SmolLM2): Hermes-style tool calls.
-CHATML_TOOLS_TEMPLATE = (files("app.models.templates") / "chatml_tools.jinja").read_text()
+CHATML_TOOLS_TEMPLATE = (files("app.text.templates") / "chatml_tools.jinja").read_text()
 
 
 def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any:

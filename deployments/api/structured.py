@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
-from app.text.tool_calls import ToolFormat, call_grammar
+from deployments.http.chat_turn import ToolName
 
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for names
@@ -209,21 +209,15 @@ class ToolFields(BaseModel):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    def tool_constraint(self, fmt: ToolFormat) -> Constraint | None:
-        """The grammar of the calls: forced for `required` (any of the tools) or a named
-        function; optional for `auto`, where it keeps a call the model starts
-        well-formed."""
+    def turn_tools(self) -> dict[str, Any]:
+        """The tools in a ChatTurn's terms (deployments/http/chat_turn.py)."""
         choice = self.tool_choice
-        if not self.uses_tools:
-            return None
-        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
-        parallel = self.parallel_tool_calls
         if isinstance(choice, NamedToolChoice):
-            functions = [f for f in functions if f["name"] == choice.function.name]
-            parallel = False
-        optional = choice in (None, "auto")
-        return Constraint(kind="lark", spec=call_grammar(fmt, functions, parallel, optional))
-
-    @property
-    def forces_call(self) -> bool:
-        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+            choice = ToolName(choice.function.name)
+        elif choice in (None, "none"):
+            choice = "auto"  # with "none", no tools are shown at all
+        return {
+            "tools": self.template_tools(),
+            "tool_choice": choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }

@@ -21,7 +21,7 @@ from app.protocol.errors import ShoalError
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.sampling import SamplingParams
 from app.text.reasoning import ReasoningFormat
-from deployments.generation import Generation
+from deployments.http.generation import Generation
 from deployments.ingress import Ingress
 
 logger = logging.getLogger("ray.serve")

@@ -16,11 +16,11 @@ from fastapi import FastAPI, Response
 from fastapi.middleware.cors import CORSMiddleware
 from ray import serve
 
-from deployments import routes
+from deployments import api
 from deployments.config import AppConfig
-from deployments.errors import install_error_handlers
+from deployments.http.errors import install_error_handlers
+from deployments.http.guard import RequestGuard
 from deployments.ingress import Ingress, IngressDep
-from deployments.request_guard import RequestGuard
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,12 +65,20 @@ def create_app(ingress: Ingress) -> FastAPI:
 
 
 def dialects() -> list:
-    """Every module in deployments/routes, in name order: each serves one dialect through
-    its `router` (registers its error shape, if it is not OpenAI's, and makes its own
-    state in `install(app, ingress)`, if it has any), so a new dialect is one new file
-    there."""
-    names = sorted(m.name for m in pkgutil.iter_modules(routes.__path__))
-    return [importlib.import_module(f"{routes.__name__}.{name}") for name in names]
+    """Every module with a `router` in each dialect's folder (deployments/api/<dialect>),
+    dialects and their modules in name order (unless a
+    dialect's ROUTE_MODULES says otherwise): each registers its error shape, if it is
+    not OpenAI's, and makes its own state in `install(app, ingress)`, if it has any; so a
+    new dialect is one new folder there."""
+    modules = []
+    for package in sorted(m.name for m in pkgutil.iter_modules(api.__path__) if m.ispkg):
+        folder = importlib.import_module(f"{api.__name__}.{package}")
+        names = getattr(folder, "ROUTE_MODULES", None)  # where the order of matching matters
+        for name in names or sorted(m.name for m in pkgutil.iter_modules(folder.__path__)):
+            module = importlib.import_module(f"{folder.__name__}.{name}")
+            if hasattr(module, "router"):
+                modules.append(module)
+    return modules
 
 
 async def metrics(ingress: IngressDep) -> Response:

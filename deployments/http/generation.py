@@ -34,7 +34,7 @@ from app.protocol.outputs import TokenDelta, TokenLogprob
 from app.text.detokenizer import IncrementalDetokenizer
 from app.text.reasoning import ReasoningFormat, ReasoningStream
 from app.text.stop import StopStrings
-from deployments.metrics import TokenTimer
+from deployments.http.metrics import TokenTimer
 
 logger = logging.getLogger("ray.serve")
 

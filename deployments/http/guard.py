@@ -33,7 +33,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from app.protocol.errors import RemoteError
 from deployments.config import AppConfig
-from deployments.errors import dialect_body, relative_path
+from deployments.http.errors import dialect_body, relative_path
 
 logger = logging.getLogger("ray.serve")
 

@@ -3,7 +3,7 @@
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from deployments.generation import Generation
+from deployments.http.generation import Generation
 
 IN_FLIGHT = 8  # of one request's prompts, generating at once
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 
 from app.protocol.errors import ShoalError
-from deployments.generation import Generation
+from deployments.http.generation import Generation
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

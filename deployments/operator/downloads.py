@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from app.protocol.errors import NotFoundError, ShoalError
-from deployments.operator.download_store import ACTIVE, DownloadState, DownloadStore
 from deployments.operator.hub import (
     PART_SUFFIX,
     DownloadCancelled,
@@ -26,6 +25,7 @@ from deployments.operator.hub import (
     check_file_path,
     check_repo,
 )
+from deployments.state.downloads import ACTIVE, DownloadState, DownloadStore
 
 logger = logging.getLogger("ray.serve")
 PUBLISH_EVERY_S = 0.5  # progress events and saves while bytes arrive

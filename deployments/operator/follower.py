@@ -19,7 +19,7 @@ from ray import serve
 
 from deployments.config import ModelDeploymentConfig
 from deployments.ingress import Ingress
-from deployments.operator.serve_deployer import model_deployment_name
+from deployments.model_deployment import model_deployment_name
 
 logger = logging.getLogger("ray.serve")
 CLIENT_QUEUE = 256  # events a WebSocket client may fall behind by before it is dropped

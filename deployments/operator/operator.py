@@ -15,21 +15,22 @@ from typing import Any
 from ray import serve
 
 from app.protocol.errors import ConflictError, OverloadedError
-from deployments.assistants.database import Database
 from deployments.config import AppConfig
 from deployments.operator.catalog import catalog
-from deployments.operator.download_store import DownloadStore
 from deployments.operator.downloads import DownloadManager
 from deployments.operator.events import EventLog
 from deployments.operator.hardware import cluster_hardware
 from deployments.operator.hub import Hub
 from deployments.operator.inference import LIVE, Deployer, InferenceManager
-from deployments.operator.inference_store import InferenceStore
 from deployments.operator.serve_deployer import ServeDeployer
 from deployments.operator.url_guard import HostPolicy
+from deployments.state.database import Database
+from deployments.state.downloads import DownloadStore
+from deployments.state.inference import InferenceStore
 
 logger = logging.getLogger("ray.serve")
-METRICS_EVERY_S = 2.0
+METRICS_EVERY_S = 2.0  # at most one batch of `metrics` events this often
+WATCH_S = 60.0  # the registry long poll's limit (it answers at once on a change)
 API_METHODS = {
     f"{owner}.{name}"
     for owner, names in {
@@ -99,19 +100,28 @@ class Operator:
         return await self.events.since(seq, timeout_s)
 
     async def _metrics(self) -> None:
-        """A `metrics` event per model every METRICS_EVERY_S, from the replicas' heartbeats."""
+        """A `metrics` event for each model whose replicas' figures (their heartbeats)
+        changed, at most every METRICS_EVERY_S. It waits on the registry (`watch`, a long
+        poll) rather than asking it on a timer, and publishes nothing unchanged: an idle
+        app sends no events, so the ingresses' long polls here wait too."""
+        if self.registry is None:
+            return
+        version, published = -1, {}
         while True:
-            await asyncio.sleep(METRICS_EVERY_S)
             try:
-                engines = await self.registry.list.remote() if self.registry else []
+                version, engines = await self.registry.watch.remote(version, WATCH_S)
             except Exception as exc:
                 logger.warning("operator: no engine registry: %r", exc)
+                await asyncio.sleep(METRICS_EVERY_S)
                 continue
             by_model: dict[str, list[dict]] = {}
             for e in engines:
                 by_model.setdefault(e["engine_name"], []).append(e["runtime_info"])
             for alias, infos in by_model.items():
-                self.events.publish("metrics", _timings(alias, infos))
+                if published.get(alias) != infos:
+                    self.events.publish("metrics", _timings(alias, infos))
+            published = by_model
+            await asyncio.sleep(METRICS_EVERY_S)
 
     # ---- downloads, inference, catalog ----------------------------------------------------
     async def call(self, method: str, *args: Any) -> Any:

@@ -1,30 +1,16 @@
 """The operator's Deployer on Serve: each alias is an application of its own, named after
 the Shoal app that started it, with no HTTP route (the ingress reaches it by handle)."""
 
-import hashlib
 import logging
-import re
 from typing import Any
 
 import ray
 from ray import serve
 
 from deployments.config import ModelDeploymentConfig
+from deployments.model_deployment import model_deployment, serve_name
 
 logger = logging.getLogger("ray.serve")
-
-
-def serve_name(name: str) -> str:
-    """A model's name as Serve may name a deployment or application ('/' is not allowed);
-    a name that had to change gets its hash, so 'a/b' and 'a-b' stay apart."""
-    safe = re.sub(r"[^A-Za-z0-9._:-]", "-", name)
-    if safe == name:
-        return name
-    return f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-
-
-def model_deployment_name(name: str) -> str:
-    return f"ModelServer:{serve_name(name)}"
 
 
 class ServeDeployer:
@@ -37,8 +23,6 @@ class ServeDeployer:
 
     def deploy(self, config: ModelDeploymentConfig) -> None:
         """Returns once the alias's replicas are running; raises if Serve gives up."""
-        from deployments.builder import model_deployment  # builder imports the operator
-
         serve.run(
             model_deployment(config, self.registry),
             name=self.app_for(config.name),

@@ -9,29 +9,18 @@ store deletes in one transaction anyway). The migrations in `migrations/` create
 these tables; a change here is a new migration there.
 """
 
-import secrets
 import time
 from typing import Any
 
-from sqlalchemy import JSON, Float, Index, Integer, String, Text, UniqueConstraint, text
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy import JSON, Float, Index, Integer, String, Text, text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from deployments.state.base import Base, now
 
 RUN_ACTIVE = ("queued", "in_progress", "cancelling")
 # One active run per thread, kept by the database itself (two ingresses may race to start
 # one): a partial unique index, which SQLite and PostgreSQL both have.
 ACTIVE_WHERE = text("status IN ('queued', 'in_progress', 'cancelling')")
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class Base(DeclarativeBase):
-    pass
 
 
 class Assistant(Base):
@@ -233,16 +222,3 @@ class RunStep(Base):
             "usage": self.usage,
             "metadata": None,
         }
-
-
-class IdempotencyKey(Base):
-    """A POST's Idempotency-Key and the object it created: a retry gets that object."""
-
-    __tablename__ = "idempotency_keys"
-    __table_args__ = (UniqueConstraint("scope", "key"),)
-
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    scope: Mapped[str] = mapped_column(String(128))  # the route and its parent's id
-    key: Mapped[str] = mapped_column(String(256))
-    object_id: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[int] = mapped_column(Integer, default=now)

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
-from deployments.assistants.schema import IdempotencyKey, now
+from deployments.state.base import IdempotencyKey, now
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")

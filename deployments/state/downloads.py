@@ -11,8 +11,8 @@ from typing import Any
 from sqlalchemy import BigInteger, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from deployments.assistants.database import Database
-from deployments.assistants.schema import Base
+from deployments.state.base import Base
+from deployments.state.database import Database
 
 # queued -> downloading -> complete | error | cancelled; cancelled and error may restart.
 ACTIVE = ("queued", "downloading")

@@ -7,10 +7,10 @@ from typing import Any
 from sqlalchemy import JSON, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from deployments.assistants.database import Database
-from deployments.assistants.schema import Base
 from deployments.config import ModelDeploymentConfig
 from deployments.operator.inference import WingmanItem
+from deployments.state.base import Base
+from deployments.state.database import Database
 
 
 class InferenceRow(Base):

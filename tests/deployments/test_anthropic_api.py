@@ -9,7 +9,7 @@ import httpx2
 import jsonschema
 import pytest
 
-from app.protocol.anthropic import MessagesRequest
+from deployments.api.anthropic.schema import MessagesRequest
 from deployments.config import AppConfig
 from tests.local_app import MODEL, http_client, local_app, run
 

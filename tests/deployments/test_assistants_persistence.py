@@ -17,8 +17,9 @@ LEASE_S = 1.0
 
 # PostgreSQL's binaries are there wherever .ci/run ran (it installs them where missing).
 NO_POSTGRES = unavailable()
-POSTGRES = pytest.param(
-    "postgresql", marks=pytest.mark.skipif(NO_POSTGRES is not None, reason=str(NO_POSTGRES))
+POSTGRES = pytest.param(  # starts a PostgreSQL server: live
+    "postgresql",
+    marks=[pytest.mark.skipif(NO_POSTGRES is not None, reason=str(NO_POSTGRES)), pytest.mark.live],
 )
 
 
@@ -117,7 +118,7 @@ def test_one_active_run_per_thread_and_transitions_that_never_overwrite(database
     import asyncio
 
     from app.protocol.errors import InvalidRequestError
-    from deployments.assistants.store import AssistantsStore
+    from deployments.api.assistants.store import AssistantsStore
 
     store = AssistantsStore(database_url, lease_s=30)
     runs = store.runs

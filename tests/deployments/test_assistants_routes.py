@@ -10,7 +10,7 @@ from openai import AsyncAssistantEventHandler
 
 from app.protocol.errors import ShoalError
 from app.protocol.messages import ContextAction, ContextOp
-from deployments.assistants.thread_context import context_id
+from deployments.api.assistants.thread_context import context_id
 from deployments.config import AppConfig
 from tests.local_app import MODEL, http_client, local_app, run
 

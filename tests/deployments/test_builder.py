@@ -92,10 +92,11 @@ def test_every_shipped_config_fits_two_cpus(path):
     assert ray_cpus(build_app(config)) <= 2.0, path
 
 
-def test_several_ingress_replicas_need_one_shared_assistants_database():
-
+def test_several_ingress_replicas_need_one_shared_database():
+    """Stored Responses are the app's whether or not Assistants are on."""
     with pytest.raises(ValidationError, match="database_url"):
         AppConfig.model_validate({"ingress_replicas": 2})
+    with pytest.raises(ValidationError, match="database_url"):
+        AppConfig.model_validate({"ingress_replicas": 2, "assistants": {"enabled": False}})
     shared = {"database_url": "postgresql+psycopg://u@db/shoal"}
     assert AppConfig.model_validate({"ingress_replicas": 2, "assistants": shared})
-    assert AppConfig.model_validate({"ingress_replicas": 2, "assistants": {"enabled": False}})

@@ -4,11 +4,11 @@ import pytest
 from pydantic import ValidationError
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.llamacpp import LlamaCompletionRequest
-from app.protocol.ollama import OllamaChatRequest, OllamaOptions
-from app.protocol.openai import ChatCompletionRequest, CompletionRequest, sampling_params
-from app.protocol.parrot import FillRequest, ParrotGenerateRequest
-from app.protocol.responses import ResponsesRequest
+from deployments.api.llamacpp.schema import LlamaCompletionRequest
+from deployments.api.ollama.schema import OllamaChatRequest, OllamaOptions
+from deployments.api.openai.schema import ChatCompletionRequest, CompletionRequest, sampling_params
+from deployments.api.parrot.schema import FillRequest, ParrotGenerateRequest
+from deployments.api.responses.schema import ResponsesRequest
 
 
 def test_ollama_defaults_and_names():

@@ -11,8 +11,8 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from deployments.config import AppConfig
+from deployments.http.app import create_app
 from deployments.ingress import Ingress
-from deployments.ingress_app import create_app
 from deployments.operator.operator import Operator
 from deployments.operator.serve_deployer import ServeDeployer
 from deployments.operator.url_guard import HostPolicy, TargetRefusedError, guarded_client

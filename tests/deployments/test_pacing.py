@@ -2,9 +2,9 @@
 
 import asyncio
 
-from app.engine.pacing import StreamPacer, merge
 from app.protocol import FinishReason
 from app.protocol.outputs import TokenDelta, TokenLogprob
+from deployments.pacing import StreamPacer, merge
 
 
 def delta(i: int, index: int = 0, finish: FinishReason | None = None) -> TokenDelta:

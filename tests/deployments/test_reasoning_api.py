@@ -273,3 +273,31 @@ def test_a_template_that_raises_is_a_400_in_each_dialect(app):
     assert chat.status_code == 400 and "no such system prompt" in chat.json()["error"]["message"]
     # Ollama's shape: {"error": "..."}
     assert native.status_code == 400 and "no such system prompt" in native.json()["error"]
+
+
+def test_an_assistants_run_keeps_the_thinking_out_of_its_message(app):
+    """A run is a chat turn like any other: the thinking is split off the reply, so the
+    thread's new message holds the answer alone, streamed or not."""
+
+    async def scenario(client, http):  # noqa: ANN001, ANN202
+        assistant = await client.beta.assistants.create(model=MODEL, temperature=0)
+        thread = await client.beta.threads.create(messages=SHOWN)
+        run = await client.beta.threads.runs.create_and_poll(
+            thread_id=thread.id, assistant_id=assistant.id, max_completion_tokens=16
+        )
+        replies = await client.beta.threads.messages.list(thread.id, limit=1)
+        deltas = []
+        followed = await client.beta.threads.create(messages=SHOWN)
+        async with client.beta.threads.runs.stream(
+            thread_id=followed.id, assistant_id=assistant.id, max_completion_tokens=16
+        ) as events:
+            async for text in events.text_deltas:
+                deltas.append(text)
+        streamed = await client.beta.threads.messages.list(followed.id, limit=1)
+        return run, replies.data[0], "".join(deltas), streamed.data[0]
+
+    run, reply, deltas, streamed = _openai(app, scenario)
+    assert run.status == "completed", run.last_error
+    assert reply.role == "assistant" and reply.content[0].text.value == "Hi!"
+    assert deltas == "Hi!" and streamed.content[0].text.value == "Hi!"
+    assert run.usage.completion_tokens > len("Hi!")  # the thinking's tokens count

@@ -35,3 +35,27 @@ def test_runtime_info_rate():
     assert info["tokens_per_s"] == 50.0 and info["num_contexts"] == 4
     assert info["kv_usage"] == 0.1  # /metrics shows it per replica
     assert runtime_info(stats, None, 0.0)["tokens_per_s"] == 0.0
+
+
+def test_watch_waits_for_a_change_and_ignores_same_figures():
+    import asyncio
+
+    async def scenario() -> None:
+        registry = EngineRegistry(stale_after_s=60)
+        version, engines = await registry.watch(-1, 5.0)  # another version: at once
+        assert engines == []
+        start = time.monotonic()
+        assert await registry.watch(version, 0.1) == (version, [])  # nothing: the timeout
+        assert time.monotonic() - start >= 0.09
+        waiter = asyncio.ensure_future(registry.watch(version, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        registry.register("r1", "model-a", {})
+        version, engines = await asyncio.wait_for(waiter, 1.0)
+        assert [e["engine_id"] for e in engines] == ["r1"]
+        registry.heartbeat("r1", {"num_running": 1})
+        version, _ = await registry.watch(version, 5.0)
+        registry.heartbeat("r1", {"num_running": 1})  # the same figures: no change
+        assert (await registry.watch(version, 0.1))[0] == version
+
+    asyncio.run(scenario())

@@ -1,42 +1,60 @@
-"""The Responses store is bounded in bytes as well as in count (a request may be
-megabytes), and a conversation too long to continue is refused before it is rendered."""
+"""Stored Responses live in the app's database: a store on another ingress replica (here,
+another store on the same database) continues the chain; a deleted turn breaks the
+chains through it with a 404 that says so; a conversation too long to continue is
+refused before it is rendered."""
+
+import asyncio
 
 import pytest
 
-import deployments.response_store as response_store
+import deployments.api.responses.store as response_store
 from app.protocol.errors import InvalidRequestError, NotFoundError
-from deployments.response_store import ResponseStore, StoredResponse
+from deployments.api.responses.store import Entry, ResponseStore
+from deployments.state.database import Database
 
 
-def _turn(i: int, text: str) -> StoredResponse:
+def _turn(i: int, text: str) -> Entry:
     message = {"role": "user", "content": text}
     previous = f"resp_{i - 1}" if i else None
-    return StoredResponse(f"resp_{i}", "m", "resp_0", previous, [message], [message])
+    return Entry(f"resp_{i}", "m", "resp_0", previous, [message], [message], {"id": f"resp_{i}"})
 
 
-def test_store_evicts_by_bytes_least_recently_used_first():
-    store = ResponseStore(max_responses=100, max_bytes=10_000)
-    for i in range(10):
-        store.put(_turn(i, "x" * 2_000))
-    kept = [i for i in range(10) if _present(store, f"resp_{i}")]
-    assert kept == [8, 9]  # about 4.1 kB each: two fit in 10 kB, the newest
-    with pytest.raises(NotFoundError, match="no longer stored"):
-        store.conversation("resp_9")
+@pytest.fixture
+def url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'app.sqlite3'}"
 
 
-def test_a_conversation_too_long_to_continue_is_a_400(monkeypatch):
+def test_a_chain_stored_by_one_replica_is_continued_by_another(url):
+    async def go():  # noqa: ANN202
+        one, other = ResponseStore(Database(url)), ResponseStore(Database(url))
+        for i in range(3):
+            await (one if i % 2 else other).put(_turn(i, f"turn {i}"))
+        last, history = await other.conversation("resp_2")
+        body = (await one.get("resp_1")).body
+        deleted = await one.delete("resp_1")
+        with pytest.raises(NotFoundError, match="no longer stored"):
+            await other.conversation("resp_2")
+        with pytest.raises(NotFoundError, match="not found"):
+            await other.get("resp_1")
+        one.close(), other.close()
+        return last, history, body, deleted
+
+    last, history, body, deleted = asyncio.run(go())
+    assert (last.id, last.chain, last.previous_id) == ("resp_2", "resp_0", "resp_1")
+    assert [m["content"] for m in history] == [f"turn {i}" for i in range(3)]
+    assert body == {"id": "resp_1"} and deleted.id == "resp_1"
+
+
+def test_a_conversation_too_long_to_continue_is_a_400(monkeypatch, url):
     monkeypatch.setattr(response_store, "MAX_CONVERSATION_BYTES", 9_000)
-    store = ResponseStore()
-    for i in range(5):
-        store.put(_turn(i, "y" * 2_000))
-    store.conversation("resp_1")  # two turns: under the bound
-    with pytest.raises(InvalidRequestError, match="too long to continue"):
-        store.conversation("resp_4")
 
+    async def go():  # noqa: ANN202
+        store = ResponseStore(Database(url))
+        for i in range(5):
+            await store.put(_turn(i, "y" * 2_000))
+        await store.conversation("resp_1")  # two turns: under the bound
+        with pytest.raises(InvalidRequestError, match="too long to continue"):
+            await store.conversation("resp_4")
+        store.close()
 
-def _present(store: ResponseStore, response_id: str) -> bool:
-    try:
-        store.get(response_id)
-    except NotFoundError:
-        return False
-    return True
+    asyncio.run(go())

@@ -13,8 +13,8 @@ import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from deployments.routes.responses import context_id
-from deployments.warm_context import held_tokens
+from deployments.api.responses.routes import context_id
+from deployments.api.warm_context import held_tokens
 from tests.local_app import MODEL, http_client, run
 
 WEATHER = {

@@ -8,10 +8,10 @@ import jsonschema
 import pytest
 
 from app.engine import EngineConfig, LLMEngine
-from app.models.tokenizer import chat_token_ids
 from app.protocol import InvalidRequestError, SamplingParams
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.sampling import Constraint
+from app.text.tokenizer import chat_token_ids
 
 SCHEMA = {
     "type": "object",

@@ -13,7 +13,7 @@ import torch
 from app.engine import EngineConfig, LLMEngine
 from app.engine.client import EngineDeadError
 from app.engine.engine_process import EngineProcess
-from app.models.attention import select_backend
+from app.models.attention_backends import select_backend
 from app.models.loader import load_model
 from app.models.parallel import TPGroup
 from app.models.source import resolve_model

@@ -323,7 +323,7 @@ def test_redis_config_refuses_an_empty_password(tmp_path: Path) -> None:
 
 
 OTHER_NS = {"kubernetes.io/metadata.name": "elsewhere"}
-OPERATOR_NS_NAME = "kuberay-system"  # where the README installs the KubeRay operator
+OPERATOR_NS_NAME = "kuberay-system"  # where docs/operating.md installs the KubeRay operator
 OPERATOR_NS = {"kubernetes.io/metadata.name": OPERATOR_NS_NAME}
 OPERATOR = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": "kuberay"}
 CLIENT = {"app": "client"}
@@ -365,8 +365,8 @@ def test_dashboard_is_open_only_to_the_operators_namespace(target: str) -> None:
 
 
 def test_readme_installs_the_operator_where_the_policy_expects_it() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Deploying on Kubernetes (KubeRay)", 1)[1].split("\n## ", 1)[0]
+    guide = (ROOT / "docs" / "operating.md").read_text()
+    section = guide.split("## Deploying on Kubernetes (KubeRay)", 1)[1].split("\n## ", 1)[0]
     (install,) = [line for line in section.splitlines() if "helm install kuberay-operator" in line]
     assert f"--namespace {OPERATOR_NS_NAME}" in install
 

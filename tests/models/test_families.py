@@ -80,12 +80,12 @@ def test_longrope_beyond_the_pretraining_length_uses_the_long_factors(tmp_path):
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from app.models.arch import ArchConfig
     from app.models.decoder import rotary_tables
+    from app.models.families import read_arch_config
 
     directory = save_family_checkpoint(tmp_path, "phi4-mini")
     config = AutoConfig.from_pretrained(directory)
-    arch = ArchConfig.from_hf(config, "phi4-mini")
+    arch = read_arch_config(config, "phi4-mini")
     positions = torch.arange(200)  # past original_max_position_embeddings (128)
     ours, _ = rotary_tables(arch, max_positions=256)
     cos, sin = ours.tables(positions)

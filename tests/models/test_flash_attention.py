@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.models.attention import BatchLayout, select_backend
+from app.models.attention import BatchLayout
+from app.models.attention_backends import select_backend
 from app.models.flash_attention import FlashAttentionBackend
 from tests.helpers import dense_reference
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.models.arch import ArchConfig
-from app.models.attention import select_backend
+from app.models.attention_backends import select_backend
+from app.models.families import read_arch_config
 from app.models.loader import load_model
 from app.models.source import ModelSource, resolve_model
 from app.protocol import ModelLoadError, SamplingParams
@@ -56,9 +56,9 @@ def test_logits_match_transformers(case: str, tmp_path: Path):
 
 
 def test_architecture_details_are_read(tmp_path: Path):
-    qwen = ArchConfig.from_hf(_hf_config(save_tiny_checkpoint(tmp_path / "q", "qwen2")), "q")
+    qwen = read_arch_config(_hf_config(save_tiny_checkpoint(tmp_path / "q", "qwen2")), "q")
     assert qwen.qkv_bias and qwen.architecture == "Qwen2ForCausalLM"
-    llama = ArchConfig.from_hf(
+    llama = read_arch_config(
         _hf_config(save_tiny_checkpoint(tmp_path / "l", rope_scaling=LLAMA3_ROPE)), "l"
     )
     assert llama.rope_scaling["rope_type"] == "llama3" and not llama.qkv_bias
@@ -68,7 +68,7 @@ def test_architecture_details_are_read(tmp_path: Path):
 def test_default_model_is_smollm2():
     source = resolve_model("default")
     assert source.is_gguf and source.gguf_file.endswith(".gguf")
-    arch = ArchConfig.from_hf(_hf_config_of(source), source.name)
+    arch = read_arch_config(_hf_config_of(source), source.name)
     assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
     assert arch.vocab_size == 49152 and arch.tie_word_embeddings
 

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 from app.engine.config import EngineConfig  # noqa: E402
 from app.engine.model_runner import kv_cache_dtype  # noqa: E402
-from app.models.attention import BatchLayout, select_backend  # noqa: E402
+from app.models.attention import BatchLayout  # noqa: E402
+from app.models.attention_backends import select_backend  # noqa: E402
 from app.models.torch_attention import TorchPagedAttention  # noqa: E402
 from app.models.triton_attention import TritonPagedAttention  # noqa: E402
 from app.models.triton_kernels import decode, split_count  # noqa: E402

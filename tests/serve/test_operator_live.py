@@ -48,9 +48,12 @@ def ops(serve_app, tmp_path_factory):
                 ],
                 "embeddings": {"enabled": False},
                 # Two ingress replicas: every WebSocket client gets every event, whichever
-                # replica it reached. (The operator alone writes its SQLite file.)
+                # replica it reached. They share one SQLite file (one node here).
                 "ingress_replicas": 2,
-                "assistants": {"enabled": False, "database_path": str(state / "shoal.sqlite3")},
+                "assistants": {
+                    "enabled": False,
+                    "database_url": f"sqlite:///{state / 'shoal.sqlite3'}",
+                },
                 "operator": {
                     "hub_endpoint": hub.url,
                     "private_hosts": ["127.0.0.1"],

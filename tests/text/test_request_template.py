@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from app.models import request_template
-from app.models.tokenizer import chat_prompt
 from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import TemplateArgs
+from app.text import request_template
+from app.text.tokenizer import chat_prompt
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"

@@ -16,17 +16,16 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from app.protocol.anthropic import CountTokensRequest, MessagesRequest
 from app.protocol.errors import ShoalError
-from app.protocol.messages import TemplateArgs
-from app.protocol.openai_structured import ToolFields
-from app.text.reasoning_grammar import thinking_first
+from app.protocol.sampling import Constraint, SamplingParams
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
-from deployments.errors import error_shape
-from deployments.generation import Generation, OutputState
+from deployments.api.anthropic.schema import CountTokensRequest, MessagesRequest
+from deployments.http.chat_turn import ChatTurn, prepare, start
+from deployments.http.errors import error_shape
+from deployments.http.generation import Generation, OutputState
+from deployments.http.streaming import stream, typed_sse
 from deployments.ingress import Ingress, IngressDep, RequestTag
-from deployments.streaming import stream, typed_sse
 
 _TYPES = {
     400: "invalid_request_error",
@@ -53,24 +52,15 @@ router = APIRouter()
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, ingress: IngressDep) -> dict:
     """The prompt tokens the same request to /v1/messages would feed the model."""
-    _, ids, _, _ = await _prompt(ingress, req)
-    return {"input_tokens": len(ids)}
+    prepared = await prepare(ingress, _turn(ingress, req, SamplingParams()))
+    return {"input_tokens": len(prepared.prompt_ids)}
 
 
 @router.post("/v1/messages")
 async def messages(req: MessagesRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
-    name, ids, tools, args = await _prompt(ingress, req)
-    fmt = ingress.tool_format(name) if tools.uses_tools else None
-    # As on OpenAI's route: an output format wins over the tools' grammar unless a call
-    # is forced; either applies to the answer, after any thinking.
-    constraint = req.output_constraint()
-    if fmt is not None and (tools.forces_call or constraint is None):
-        constraint = tools.tool_constraint(fmt)
-    reasoning = ingress.reasoning(name, ids, args)
-    if reasoning is not None and constraint is not None:
-        constraint = thinking_first(reasoning, constraint)
-    params = req.params(constraint)
-    gen = await ingress.generate(name, ids, params, req.stop_strings, tag, reasoning=reasoning)
+    turn = _turn(ingress, req, req.params(), req.output_constraint(), req.stop_strings)
+    gen, prepared = await start(ingress, turn, tag)
+    fmt, name = prepared.tool_format, turn.model
     head = {
         "id": f"msg_{gen.request_id}",
         "type": "message",
@@ -92,15 +82,23 @@ async def messages(req: MessagesRequest, ingress: IngressDep, tag: RequestTag): 
     }
 
 
-async def _prompt(
-    ingress: Ingress, req: CountTokensRequest
-) -> tuple[str, list[int], ToolFields, TemplateArgs | None]:
-    name = ingress.served_name(req.model)
-    tools, args = req.tool_fields(), req.template_args()
-    messages = req.template_messages()
-    ending = req.prompt_ending
-    ids = await ingress.encode_chat(name, messages, tools.template_tools(), ending, args)
-    return name, ids, tools, args
+def _turn(
+    ingress: Ingress,
+    req: CountTokensRequest,
+    params: SamplingParams,
+    constraint: Constraint | None = None,
+    stop_strings: list[str] | None = None,
+) -> ChatTurn:
+    return ChatTurn(
+        ingress.served_name(req.model),
+        req.template_messages(),
+        params,
+        constraint,
+        **req.tool_fields().turn_tools(),
+        template_args=req.template_args(),
+        ending=req.prompt_ending,
+        stop_strings=stop_strings or [],
+    )
 
 
 def _input_usage(gen: Generation) -> dict[str, int]:

@@ -16,14 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import PromptEnding, TemplateArgs
-from app.protocol.openai_structured import (
-    MAX_TOOLS,
-    FunctionDef,
-    NamedFunction,
-    NamedToolChoice,
-    ToolDef,
-    ToolFields,
-)
 from app.protocol.sampling import (
     MAX_CONSTRAINT_CHARS,
     MAX_SEED,
@@ -32,6 +24,14 @@ from app.protocol.sampling import (
     sampling_params,
 )
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+from deployments.api.structured import (
+    MAX_TOOLS,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    ToolDef,
+    ToolFields,
+)
 
 NOT_SUPPORTED = "is not supported by this server"
 

@@ -1,5 +1,5 @@
 """OpenAI's Assistants v2: assistants, threads and their messages (runs are in
-assistant_runs.py). State lives in the Assistants database (deployments/assistants);
+run_routes.py). State lives in the Assistants database (deployments/state);
 these routes validate, call the store, and answer its objects."""
 
 import logging
@@ -7,7 +7,9 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query
 
-from app.protocol.assistants import (
+from app.protocol.errors import ShoalError
+from deployments.api.assistants import service
+from deployments.api.assistants.schema import (
     AssistantCreate,
     AssistantUpdate,
     MessageCreate,
@@ -15,10 +17,8 @@ from app.protocol.assistants import (
     ThreadCreate,
     ThreadUpdate,
 )
-from app.protocol.errors import ShoalError
-from deployments.assistants import service
-from deployments.assistants.service import AssistantsDep
-from deployments.assistants.thread_context import free_thread
+from deployments.api.assistants.service import AssistantsDep
+from deployments.api.assistants.thread_context import free_thread
 from deployments.ingress import Ingress, IngressDep
 
 logger = logging.getLogger("ray.serve")

@@ -3,8 +3,8 @@ update, cancel, and run steps. A run is carried out by this ingress's RunExecuto
 streamed one answers its events as server-sent events (`event: thread.run.created`
 ... `event: done`), as the SDK's AssistantEventHandler reads them.
 
-This module's name sorts before assistants.py, so `POST /v1/threads/runs` is matched
-here before `POST /v1/threads/{thread_id}` there.
+This module's routes are matched before routes.py's (ROUTE_MODULES in __init__.py), so
+`POST /v1/threads/runs` is matched here before `POST /v1/threads/{thread_id}` there.
 """
 
 import asyncio
@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
-from app.protocol.assistants import RunCreate, ThreadAndRunCreate, WithMetadata
-from deployments.assistants.runs import END
-from deployments.assistants.schema import RUN_ACTIVE
-from deployments.assistants.service import Assistants, AssistantsDep
+from deployments.api.assistants.routes import CursorDep, IdempotencyKey
+from deployments.api.assistants.runs import END
+from deployments.api.assistants.schema import RunCreate, ThreadAndRunCreate, WithMetadata
+from deployments.api.assistants.service import Assistants, AssistantsDep
+from deployments.http.streaming import SSE_HEADERS
 from deployments.ingress import IngressDep, RequestTag
-from deployments.routes.assistants import CursorDep, IdempotencyKey
-from deployments.streaming import SSE_HEADERS
+from deployments.state.assistants import RUN_ACTIVE
 
 router = APIRouter(prefix="/v1")
 POLL_AFTER_MS = "250"  # the SDK's create_and_poll waits this long between reads

@@ -17,8 +17,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError
-from deployments.assistants.database import Database, find, once, page
-from deployments.assistants.schema import RUN_ACTIVE, Message, Run, RunStep, Thread, new_id, now
+from deployments.state.assistants import RUN_ACTIVE, Message, Run, RunStep, Thread
+from deployments.state.base import new_id, now
+from deployments.state.database import Database, find, once, page
 
 RUN_EXPIRES_AFTER_S = 600  # OpenAI's: a run not done in ten minutes expires
 LAPSED_ERROR = {

@@ -15,13 +15,15 @@ import contextlib
 import logging
 from typing import Any
 
-from app.protocol.assistants import output_constraint
 from app.protocol.errors import ShoalError
 from app.protocol.sampling import SamplingParams
-from deployments.assistants.schema import RUN_ACTIVE, now
-from deployments.assistants.store import AssistantsStore
-from deployments.assistants.thread_context import generate_in_thread
+from deployments.api.assistants.schema import output_constraint
+from deployments.api.assistants.store import AssistantsStore
+from deployments.api.assistants.thread_context import generate_in_thread
+from deployments.http.chat_turn import ChatTurn, PreparedTurn, prepare
 from deployments.ingress import Ingress
+from deployments.state.assistants import RUN_ACTIVE
+from deployments.state.base import now
 
 logger = logging.getLogger("ray.serve")
 END = None  # on a run's event queue: no more events
@@ -107,15 +109,16 @@ class RunExecutor:
             )
             raise asyncio.CancelledError
         emit("thread.run.in_progress", begun)
-        prompt_ids = await self._prompt(run)
+        prepared = await self._prompt(run)
+        prompt_ids = prepared.prompt_ids
         message, step = await self.runs.start_reply(run)
         emit("thread.run.step.created", step)
         emit("thread.run.step.in_progress", step)
         emit("thread.message.created", message)
         emit("thread.message.in_progress", message)
-        params = await self._params(run, len(prompt_ids))
+        params = await self._params(run, prepared)
         gen, reused = await generate_in_thread(
-            self.ingress, model, thread_id, prompt_ids, params, tag
+            self.ingress, model, thread_id, prompt_ids, params, tag, prepared.reasoning
         )
         async for d in gen.deltas():
             if d.text:
@@ -169,20 +172,25 @@ class RunExecutor:
             emit(f"thread.run.step.{step_now['status']}", step_now)
         emit(f"thread.run.{status}", run_now)
 
-    async def _prompt(self, run: dict) -> list[int]:
-        """The conversation as the model's chat template renders it, with the run's
-        instructions as the system message; the oldest messages left out when it does not
-        fit the run's max_prompt_tokens or the model (OpenAI's `auto` truncation)."""
+    async def _prompt(self, run: dict) -> PreparedTurn:
+        """The conversation as a chat turn (chat_turn.py: rendered by the model's chat
+        template, a reasoning model's thinking split off, the response format applied to
+        the answer), with the run's instructions as the system message; the oldest
+        messages left out when it does not fit the run's max_prompt_tokens or the model
+        (OpenAI's `auto` truncation)."""
         messages = await self.store.conversation(run["thread_id"])
         system = [{"role": "system", "content": run["instructions"]}] if run["instructions"] else []
+        constraint = output_constraint(run["response_format"])
         info = await self.ingress.info(run["model"])
         budget = info.max_model_len - 1
         if run["max_prompt_tokens"] is not None:
             budget = min(budget, run["max_prompt_tokens"])
         while True:
-            ids = await self.ingress.encode_chat(run["model"], system + messages)
+            turn = ChatTurn(run["model"], system + messages, SamplingParams(), constraint)
+            prepared = await prepare(self.ingress, turn)
+            ids = prepared.prompt_ids
             if len(ids) <= budget:
-                return ids
+                return prepared
             if len(messages) <= 1:
                 raise PromptTooLongError(
                     f"the thread's last message alone takes {len(ids)} tokens, more than "
@@ -192,18 +200,17 @@ class RunExecutor:
             over = max(1, len(messages) * (len(ids) - budget) // len(ids))
             messages = messages[min(over, len(messages) - 1) :]
 
-    async def _params(self, run: dict, num_prompt: int) -> SamplingParams:
+    async def _params(self, run: dict, prepared: PreparedTurn) -> SamplingParams:
         """As OpenAI: no cap but the model's context unless the run sets one."""
         info = await self.ingress.info(run["model"])
-        room = max(1, info.max_model_len - num_prompt)
+        room = max(1, info.max_model_len - len(prepared.prompt_ids))
         wanted = run["max_completion_tokens"] or room
         params: dict[str, Any] = {"max_tokens": min(wanted, room)}
         if run["temperature"] is not None:
             params["temperature"] = run["temperature"]
         if run["top_p"] is not None:
             params["top_p"] = run["top_p"]
-        params["constraint"] = output_constraint(run["response_format"])
-        return SamplingParams(**params)
+        return SamplingParams(**params, constraint=prepared.params.constraint)
 
     async def _watch(self, run: dict) -> None:
         """Renew the run's lease every tick; stop the run when a cancel was asked, when it

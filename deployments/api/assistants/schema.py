@@ -17,8 +17,8 @@ from pydantic import (
 )
 
 from app.protocol.errors import ShoalError
-from app.protocol.openai_structured import ResponseFormat, StructuredFields
 from app.protocol.sampling import Constraint
+from deployments.api.structured import ResponseFormat, StructuredFields
 
 MAX_METADATA_PAIRS = 16
 

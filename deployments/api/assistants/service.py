@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Request
 
 from app.protocol.errors import NotFoundError
-from deployments.assistants.runs import RunExecutor
-from deployments.assistants.store import AssistantsStore
+from deployments.api.assistants.runs import RunExecutor
+from deployments.api.assistants.store import AssistantsStore
 from deployments.ingress import Ingress
 
 logger = logging.getLogger("ray.serve")

@@ -9,18 +9,16 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from deployments.assistants.database import Database, find, once, page
-from deployments.assistants.run_store import RunStore
-from deployments.assistants.schema import (
+from deployments.api.assistants.run_store import RunStore
+from deployments.state.assistants import (
     Assistant,
-    IdempotencyKey,
     Message,
     Run,
     RunStep,
     Thread,
-    new_id,
-    now,
 )
+from deployments.state.base import IdempotencyKey, new_id, now
+from deployments.state.database import Database, find, once, page
 
 
 class AssistantsStore:

@@ -15,31 +15,20 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.llamacpp import LlamaCompletionRequest, LlamaInfillRequest, PromptPiece
 from app.protocol.messages import ContextAction
-from app.protocol.openai import ChatCompletionRequest
 from app.protocol.outputs import TokenLogprob
 from app.protocol.sampling import SamplingParams
 from app.text.fim import fim_prompt
-from deployments.generation import Generation
+from deployments.api.llamacpp.schema import LlamaCompletionRequest, LlamaInfillRequest, PromptPiece
+from deployments.api.slots import check_slot, slot_op
+from deployments.http.generation import Generation
+from deployments.http.run_all import run_all
+from deployments.http.streaming import sse, stream
 from deployments.ingress import Ingress, IngressDep, RequestTag
-from deployments.routes.llamacpp import check_slot, slot_op
-from deployments.run_all import run_all
-from deployments.streaming import sse, stream
 
 WIRE = sse(lambda exc: {"error": {"message": exc.message}})
 
 router = APIRouter()
-
-
-@router.post("/apply-template")
-async def apply_template(req: ChatCompletionRequest, ingress: IngressDep) -> dict:
-    """The prompt /v1/chat/completions would feed the model, as text."""
-    name = ingress.served_name(req.model)
-    messages, tools = req.template_messages(), req.template_tools()
-    args = req.template_args()
-    prompt = await ingress.chat_prompt(name, messages, tools, req.prompt_ending, args)
-    return {"prompt": prompt}
 
 
 @router.post("/completion")

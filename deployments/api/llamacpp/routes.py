@@ -12,14 +12,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.llamacpp import (
+from app.protocol.messages import ContextAction
+from app.protocol.outputs import ContextFile, SlotInfo
+from app.protocol.sampling import SamplingParams
+from deployments.api.llamacpp.schema import (
     DetokenizeRequest,
     SlotFileRequest,
     TokenizeRequest,
 )
-from app.protocol.messages import ContextAction, ContextOp
-from app.protocol.outputs import ContextFile, SlotInfo
-from app.protocol.sampling import SamplingParams
+from deployments.api.slots import check_slot, slot_op
 from deployments.ingress import Ingress, IngressDep
 
 router = APIRouter()
@@ -38,11 +39,6 @@ class NoSlot(ShoalError):
     status_code = 503
     error_type = "service_unavailable"
     code = "no_slot_available"
-
-
-def slot_op(slot_id: int, action: ContextAction) -> ContextOp:
-    """The context that holds slot `slot_id`'s tokens and KV."""
-    return ContextOp(f"slot-{slot_id}", action)
 
 
 def slot_json(slot: SlotInfo) -> dict:
@@ -170,15 +166,6 @@ async def slot_action(
     )
     timings = {f"{action}_ms": 1000 * (time.perf_counter() - started)}
     return {"id_slot": id_slot, "filename": body.filename, **counts, "timings": timings}
-
-
-def check_slot(ingress: Ingress, name: str, id_slot: int, allow_any: bool) -> None:
-    slots = ingress.model(name).engine.max_num_seqs
-    if allow_any and id_slot == -1:
-        return
-    if not 0 <= id_slot < slots:
-        what = "-1 (any) or in" if allow_any else "in"
-        raise InvalidRequestError(f"id_slot must be {what} [0, {slots})", "id_slot")
 
 
 async def _slot_counts(ingress: Ingress) -> tuple[int, int, list[str]]:

@@ -16,6 +16,7 @@ from app.protocol.sampling import (
     sampling_params,
 )
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+from deployments.api.prompts import prompt_object_text
 
 
 class TokenizeRequest(BaseModel):
@@ -44,27 +45,6 @@ class SlotFileRequest(BaseModel):
 # them, or a list of prompts (see `prompts`).
 PromptPiece = int | str
 MAX_PROMPTS = 64
-
-
-def prompt_object_text(item: dict[str, Any], param: str) -> str:
-    """The text of llama.cpp's JSON prompt objects: {"prompt_string": text} (media in
-    `multimodal_data` refused: no model here reads images) or {"content": [text parts]}."""
-    if item.get("multimodal_data"):
-        raise InvalidRequestError("multimodal_data is not supported: the model reads text", param)
-    if isinstance(item.get("prompt_string"), str):
-        return item["prompt_string"]
-    parts = item.get("content")
-    if not isinstance(parts, list) or not parts:
-        raise InvalidRequestError(
-            'a prompt object is {"prompt_string": text} or {"content": [text parts]}', param
-        )
-    texts = []
-    for part in parts:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(f"content parts of type {kind!r} are not supported", param)
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
 
 
 def _pieces(prompt: PromptPiece | list[PromptPiece] | dict[str, Any]) -> list[PromptPiece]:

@@ -16,9 +16,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
+from deployments.api.ollama.routes import ollama_error
+from deployments.api.operator_calls import SameSite, manage
 from deployments.ingress import Ingress, IngressDep
-from deployments.routes.ollama import ollama_error
-from deployments.routes.operator import SameSite, manage
 
 POLL_S = 0.5
 router = APIRouter()

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 
 from app.text.tool_calls import ParsedCall, ToolFormat
 from app.text.tool_stream import ToolCallStream, whole_output
-from deployments.generation import Generation
-from deployments.streaming import Wire, stream
+from deployments.http.generation import Generation
+from deployments.http.streaming import Wire, stream
 
 Piece = Callable[[str, str, list | None], dict]
 

@@ -1,7 +1,7 @@
 """Ollama's API: /api/generate, /api/chat (NDJSON streams), /api/embed, /api/embeddings,
 /api/tags, /api/show, /api/ps, /api/version, and "Ollama is running" at GET/HEAD /.
 
-Errors come back as {"error": "..."} (see deployments.errors). Durations are
+Errors come back as {"error": "..."} (see deployments.http.errors). Durations are
 nanoseconds, as Ollama reports them.
 """
 
@@ -13,7 +13,12 @@ from fastapi.responses import PlainTextResponse
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
 from app.protocol.messages import TemplateArgs
-from app.protocol.ollama import (
+from app.protocol.sampling import SamplingParams
+from app.text.go_template import TemplateError, render
+from app.text.reasoning import ReasoningFormat
+from app.text.reasoning_grammar import thinking_first
+from deployments.api.ollama.replies import respond
+from deployments.api.ollama.schema import (
     OllamaChatRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
@@ -21,16 +26,11 @@ from app.protocol.ollama import (
     OllamaRequest,
     OllamaShowRequest,
 )
-from app.protocol.sampling import Constraint, SamplingParams
-from app.text.go_template import TemplateError, render
-from app.text.reasoning import ReasoningFormat
-from app.text.reasoning_grammar import thinking_first
-from app.text.tool_calls import call_grammar
-from deployments.errors import error_shape
-from deployments.generation import Generation
+from deployments.http.chat_turn import ChatTurn, start
+from deployments.http.errors import error_shape
+from deployments.http.generation import Generation
+from deployments.http.streaming import ndjson
 from deployments.ingress import Ingress, IngressDep, RequestTag, unwrap
-from deployments.ollama_replies import respond
-from deployments.streaming import ndjson
 
 OLLAMA_VERSION = "0.5.0"  # the API level these routes follow
 
@@ -139,21 +139,20 @@ async def chat(req: OllamaChatRequest, ingress: IngressDep, tag: RequestTag):  #
         raise InvalidRequestError("messages must not be empty", "messages")
     if any(m.images for m in req.messages):
         raise InvalidRequestError("images are not supported by this server", "messages")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     # Ollama has no tool_choice: the model decides, and a call it starts is kept
     # well-formed by the tools' grammar (unless `format` asks for JSON instead).
-    fmt = ingress.tool_format(name) if tools else None
-    calls = None
-    if fmt is not None:
-        functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
-        calls = Constraint(kind="lark", spec=call_grammar(fmt, functions, True, optional=True))
-    args = _think(ingress, name, req)
-    messages = [m.template_message() for m in req.messages]
-    ids = await ingress.encode_chat(name, messages, tools, "reply", args)
-    reasoning = ingress.reasoning(name, ids, args)
-    params = await _params(ingress, name, req, reasoning, calls)
-    stops = req.options.stop_strings
-    gen = await ingress.generate(name, ids, params, stops, tag, reasoning=reasoning)
+    await _check_num_ctx(ingress, name, req)
+    turn = ChatTurn(
+        name,
+        [m.template_message() for m in req.messages],
+        req.options.sampling(ingress.config.max_tokens_default, None),
+        req.constraint(),
+        tools=[t.model_dump(exclude_none=True) for t in req.tools or []] or None,
+        template_args=_think(ingress, name, req),
+        stop_strings=req.options.stop_strings,
+    )
+    gen, prepared = await start(ingress, turn, tag)
+    fmt = prepared.tool_format
 
     def piece(text: str, thinking: str = "", calls: list | None = None) -> dict:
         message: dict = {"role": "assistant", "content": text}
@@ -236,14 +235,17 @@ def _think(ingress: Ingress, name: str, req: OllamaRequest) -> TemplateArgs | No
 
 
 async def _params(
-    ingress: Ingress,
-    name: str,
-    req: OllamaRequest,
-    reasoning: ReasoningFormat | None,
-    fallback: Constraint | None = None,
+    ingress: Ingress, name: str, req: OllamaRequest, reasoning: ReasoningFormat | None
 ) -> SamplingParams:
-    """`fallback`: the output's constraint when `format` asks for none; either applies
-    to the answer, after any thinking."""
+    """/api/generate's: `format` applies to the answer, after any thinking."""
+    await _check_num_ctx(ingress, name, req)
+    constraint = req.constraint()
+    if constraint is not None and reasoning is not None:
+        constraint = thinking_first(reasoning, constraint)
+    return req.options.sampling(ingress.config.max_tokens_default, constraint)
+
+
+async def _check_num_ctx(ingress: Ingress, name: str, req: OllamaRequest) -> None:
     num_ctx = req.options.num_ctx
     if num_ctx is not None:
         limit = (await ingress.info(name)).max_model_len
@@ -252,10 +254,6 @@ async def _params(
                 f"num_ctx {num_ctx} is more than the model's context length {limit}",
                 "options.num_ctx",
             )
-    constraint = req.constraint() or fallback
-    if constraint is not None and reasoning is not None:
-        constraint = thinking_first(reasoning, constraint)
-    return req.options.sampling(ingress.config.max_tokens_default, constraint)
 
 
 def _render(template: str | None, system: str | None, prompt: str, max_chars: int) -> str:

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import TemplateArgs
-from app.protocol.openai_structured import ToolDef
 from app.protocol.sampling import (
     MAX_CONSTRAINT_CHARS,
     MAX_SEED,
@@ -23,6 +22,7 @@ from app.protocol.sampling import (
 )
 from app.text.go_template import MAX_TEMPLATE_BYTES
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+from deployments.api.structured import ToolDef
 
 THINK_LEVELS = ("low", "medium", "high")
 

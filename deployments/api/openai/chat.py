@@ -9,38 +9,47 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 
-from app.protocol.openai import ChatCompletionRequest, sampling_params
-from app.text.reasoning_grammar import thinking_first
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
-from deployments.generation import Generation, OutputState, TextDelta
+from deployments.api.openai.routes import WIRE, response_head, token_text, usage_of
+from deployments.api.openai.schema import ChatCompletionRequest, sampling_params
+from deployments.api.slots import check_slot
+from deployments.http.chat_turn import ChatTurn, start
+from deployments.http.generation import Generation, OutputState, TextDelta
+from deployments.http.streaming import stream
 from deployments.ingress import Ingress, IngressDep, RequestTag
-from deployments.routes.llamacpp import check_slot
-from deployments.routes.openai import WIRE, response_head, token_text, usage_of
-from deployments.streaming import stream
 
 router = APIRouter()
+
+
+# llama-server's /apply-template takes this dialect's chat body and answers the prompt that
+# /v1/chat/completions would feed the model: it lives beside that route.
+@router.post("/apply-template")
+async def apply_template(req: ChatCompletionRequest, ingress: IngressDep) -> dict:
+    """The prompt /v1/chat/completions would feed the model, as text."""
+    name = ingress.served_name(req.model)
+    messages, tools = req.template_messages(), req.template_tools()
+    args = req.template_args()
+    prompt = await ingress.chat_prompt(name, messages, tools, req.prompt_ending, args)
+    return {"prompt": prompt}
 
 
 async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     req.model = ingress.served_name(req.model)
     check_slot(ingress, req.model, req.id_slot, allow_any=True)
-    args = req.template_args()
-    ids = await ingress.encode_chat(
-        req.model, req.template_messages(), req.template_tools(), req.prompt_ending, args
-    )
-    # With tools, the output is read for calls in the syntax the model was shown, under
-    # their grammar; response_format wins over it, except where a call is forced.
-    fmt = ingress.tool_format(req.model, args) if req.uses_tools else None
-    constraint = req.output_constraint()
-    if fmt is not None and (req.forces_call or constraint is None):
-        constraint = req.tool_constraint(fmt)
-    reasoning = ingress.reasoning(req.model, ids, args)
-    if reasoning is not None and constraint is not None:
-        constraint = thinking_first(reasoning, constraint)
     num_lp = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, ingress.config.max_tokens_default, num_lp, constraint)
-    gen = await ingress.generate(req.model, ids, params, req.stop_strings, tag, reasoning=reasoning)
+    turn = ChatTurn(
+        req.model,
+        req.template_messages(),
+        sampling_params(req, ingress.config.max_tokens_default, num_lp),
+        req.output_constraint(),
+        **req.turn_tools(),
+        template_args=req.template_args(),
+        ending=req.prompt_ending,
+        stop_strings=req.stop_strings,
+    )
+    gen, prepared = await start(ingress, turn, tag)
+    fmt = prepared.tool_format
     if req.stream:
         return stream(gen, _chat_chunks(ingress, req, gen, fmt), WIRE)
     await gen.drain()

@@ -14,16 +14,16 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.openai import (
+from deployments.api.openai.schema import (
     CompletionRequest,
     EmbeddingRequest,
     sampling_params,
 )
-from deployments.errors import error_body
-from deployments.generation import Generation, OutputState
+from deployments.http.errors import error_body
+from deployments.http.generation import Generation, OutputState
+from deployments.http.run_all import run_all
+from deployments.http.streaming import sse, stream
 from deployments.ingress import Ingress, IngressDep, RequestTag, unwrap
-from deployments.run_all import run_all
-from deployments.streaming import sse, stream
 
 MAX_PROMPTS = 128  # prompts x n in one /v1/completions request
 WIRE = sse(error_body, end="data: [DONE]\n\n")

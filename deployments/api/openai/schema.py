@@ -3,7 +3,7 @@
 Strict, as OpenAI is: an unknown field is a 400 that names it ("Unrecognized request
 argument supplied"), and a field of OpenAI's API that this server does not honour yet
 (audio, prediction, ...) is a 400 that says so, rather than a 200 that silently
-ignores it. Structured outputs and tools are in app.protocol.openai_structured. Such a field is accepted only with a value that asks for nothing (`tools: []`,
+ignores it. Structured outputs and tools are in deployments.api.structured. Such a field is accepted only with a value that asks for nothing (`tools: []`,
 `response_format: {"type": "text"}`). vLLM's sampling extensions that are honoured are
 accepted too. Ranges are OpenAI's (temperature 0-2, ...).
 """
@@ -14,9 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.llamacpp import prompt_object_text
 from app.protocol.messages import PromptEnding, TemplateArgs
-from app.protocol.openai_structured import StructuredFields, ToolFields, drop_inert
 from app.protocol.sampling import (
     MAX_LOGIT_BIAS,
     MAX_SEED,
@@ -26,6 +24,8 @@ from app.protocol.sampling import (
 )
 from app.protocol.sampling import sampling_params as build_sampling_params
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
+from deployments.api.prompts import prompt_object_text
+from deployments.api.structured import StructuredFields, ToolFields, drop_inert
 
 # Fields of OpenAI's (or vLLM's) API that a later feature will honour; until then a request
 # that uses one gets a 400 naming it. The value that asks for nothing is accepted.

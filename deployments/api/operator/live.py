@@ -13,9 +13,9 @@ import logging
 
 from fastapi import APIRouter, FastAPI, WebSocket, WebSocketDisconnect
 
+from deployments.api.operator_calls import cross_site, manage, operator_call
 from deployments.ingress import Ingress
 from deployments.operator.follower import Broadcaster, Client, EventFollower
-from deployments.routes.operator import cross_site, manage, operator_call
 
 logger = logging.getLogger("ray.serve")
 MAX_CLIENT_MESSAGE = 4096

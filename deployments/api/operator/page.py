@@ -8,7 +8,7 @@ from fastapi.responses import FileResponse, RedirectResponse
 
 from app.protocol.errors import NotFoundError
 
-UI = Path(__file__).resolve().parent.parent / "ui"
+UI = Path(__file__).resolve().parents[2] / "ui"  # deployments/ui
 FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 router = APIRouter()
 

@@ -7,14 +7,13 @@ Errors take Ollama's shape ({"error": "..."}), as everything under /api/ does.
 """
 
 import logging
-from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.protocol.errors import NotFoundError, PermissionDeniedError
-from deployments.ingress import Ingress, IngressDep, unwrap
+from deployments.api.operator_calls import SameSite, manage, operator_call
+from deployments.ingress import IngressDep
 
 logger = logging.getLogger("ray.serve")
 # Lines sent by clients, at their level, in the replica's log (a child of Serve's logger).
@@ -27,40 +26,6 @@ Repo = Annotated[str, Query(alias="modelRepo", min_length=1, max_length=200)]
 OptionalRepo = Annotated[str | None, Query(alias="modelRepo", max_length=200)]
 FilePath = Annotated[str | None, Query(alias="filePath", max_length=512)]
 Alias = Annotated[str, Query(min_length=1, max_length=128)]
-
-
-def cross_site(headers: Any, allowed_origins: list[str]) -> bool:
-    """Whether a browser sent this from another site's page. These routes change state on
-    a GET (the spec's choice), and a page elsewhere could make a visitor's browser call
-    them: `Sec-Fetch-Site` (every current browser sends it) or `Origin` tells."""
-    origin = headers.get("origin")
-    if origin and origin in allowed_origins:
-        return False
-    if headers.get("sec-fetch-site") in ("cross-site", "same-site"):
-        return True
-    return bool(origin) and urlsplit(origin).netloc != headers.get("host")
-
-
-def same_site(request: Request) -> None:
-    if cross_site(request.headers, request.app.state.ingress.config.cors_origins):
-        raise PermissionDeniedError("refused: a request from another site's page")
-
-
-SameSite = Depends(same_site)
-
-
-async def operator_call(ingress: Ingress, method: str, *args: Any) -> Any:
-    """A call on the Operator deployment; its error is raised as itself."""
-    if ingress.operator is None:
-        raise NotFoundError("the operator API is turned off on this server")
-    try:
-        return await getattr(ingress.operator, method).remote(*args)
-    except Exception as exc:
-        raise unwrap(exc) from None
-
-
-async def manage(ingress: Ingress, method: str, *args: Any) -> Any:
-    return await operator_call(ingress, "call", method, *args)
 
 
 # ---- catalog and hardware ---------------------------------------------------------------

@@ -9,11 +9,11 @@ from fastapi import APIRouter
 
 from app.protocol.errors import ShoalError
 from app.protocol.messages import ContextAction, ContextOp
-from app.protocol.parrot import FillRequest, FreeContextRequest, ParrotGenerateRequest
 from app.protocol.sampling import SamplingParams
-from deployments.generation import Generation
+from deployments.api.parrot.schema import FillRequest, FreeContextRequest, ParrotGenerateRequest
+from deployments.http.generation import Generation
+from deployments.http.streaming import sse, stream
 from deployments.ingress import Ingress, IngressDep, RequestTag
-from deployments.streaming import sse, stream
 
 # A fill computes its tokens' KV; the engine samples one token nobody sees.
 FILL_PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 from app.protocol.errors import ShoalError
 from app.text.tool_stream import CallFragment, ToolCallStream
-from deployments.generation import Generation
-from deployments.response_store import ResponseStore
-from deployments.response_turn import Turn, call_item, message_item, reasoning_item
+from deployments.api.responses.store import ResponseStore
+from deployments.api.responses.turn import Turn, call_item, message_item, reasoning_item
+from deployments.http.generation import Generation
 
 
 def error_event(exc: ShoalError) -> dict:
@@ -150,6 +150,6 @@ async def response_events(turn: Turn, gen: Generation, store: ResponseStore) -> 
             yield numbered(event)
     for event in items.close():
         yield numbered(event)
-    body = turn.finish(store, items.done, gen)
+    body = await turn.finish(store, items.done, gen)
     kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
     yield numbered({"type": kind, "response": body})

@@ -3,7 +3,7 @@ GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
 
 A response may continue from `previous_response_id`: the stored conversation up to it,
 then the new input, rendered with the model's chat template. A chain of stored responses
-shares one persistent context (deployments/warm_context.py): a follow-up appends only its
+shares one persistent context (deployments/api/warm_context.py): a follow-up appends only its
 new tokens, with no re-prefill of the history (a branch started while another turn of
 its chain holds the context runs without it). `instructions` are never carried over,
 as OpenAI documents: each request's own lead the prompt.
@@ -17,17 +17,18 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.responses import ResponsesRequest
 from app.protocol.sampling import SamplingParams
 from app.text.reasoning import ReasoningFormat
-from app.text.reasoning_grammar import thinking_first
-from deployments.generation import Generation
+from deployments.api.responses.events import error_event, response_events
+from deployments.api.responses.schema import ResponsesRequest
+from deployments.api.responses.store import ResponseStore
+from deployments.api.responses.turn import Turn, listed_item, output_items
+from deployments.api.warm_context import free, generate_in_context
+from deployments.http.chat_turn import ChatTurn, prepare
+from deployments.http.generation import Generation
+from deployments.http.streaming import stream, typed_sse
 from deployments.ingress import Ingress, IngressDep, RequestTag
-from deployments.response_store import ResponseStore
-from deployments.response_turn import Turn, listed_item, output_items
-from deployments.responses_events import error_event, response_events
-from deployments.streaming import stream, typed_sse
-from deployments.warm_context import free, generate_in_context
+from deployments.state.database import Database
 
 logger = logging.getLogger("ray.serve")
 # A chain's context busy with another turn is waited for only briefly (a turn that has
@@ -39,7 +40,13 @@ router = APIRouter(prefix="/v1")
 
 
 def install(app: FastAPI, ingress: Ingress) -> None:
-    app.state.responses = ResponseStore()
+    """Stored responses live in the app's database, which every ingress replica shares."""
+    store = app.state.responses = ResponseStore(Database(ingress.config.assistants.url()))
+
+    async def stop() -> None:
+        store.close()
+
+    app.router.on_shutdown.append(stop)
 
 
 def _store(request: Request) -> ResponseStore:
@@ -58,28 +65,27 @@ async def create(req: ResponsesRequest, ingress: IngressDep, store: StoreDep, ta
     name = ingress.served_name(req.model)
     previous, history = None, []
     if req.previous_response_id is not None:
-        previous, history = store.conversation(req.previous_response_id)
+        previous, history = await store.conversation(req.previous_response_id)
     new_messages = req.input_messages()
     lead = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    tools = req.tool_fields()
-    ids = await ingress.encode_chat(name, [*lead, *history, *new_messages], tools.template_tools())
-    fmt = ingress.tool_format(name) if tools.uses_tools else None
-    constraint = req.output_constraint()
-    if fmt is not None and (tools.forces_call or constraint is None):
-        constraint = tools.tool_constraint(fmt)
-    reasoning = ingress.reasoning(name, ids)
-    if reasoning is not None and constraint is not None:
-        constraint = thinking_first(reasoning, constraint)
-    params = req.params(ingress.config.max_tokens_default, constraint)
+    chat = ChatTurn(
+        name,
+        [*lead, *history, *new_messages],
+        req.params(ingress.config.max_tokens_default, None),
+        req.output_constraint(),
+        **req.tool_fields().turn_tools(),
+    )
+    prepared = await prepare(ingress, chat)
+    ids, params, fmt = prepared.prompt_ids, prepared.params, prepared.tool_format
     rid = f"resp_{uuid.uuid4().hex}"
     chain = previous.chain if previous is not None else rid
     cid = context_id(chain) if req.store else None
-    gen, reused = await _start(ingress, name, ids, params, tag, cid, reasoning)
+    gen, reused = await _start(ingress, name, ids, params, tag, cid, prepared.reasoning)
     turn = Turn(rid, name, req, int(time.time()), chain, len(ids), reused, new_messages, fmt)
     if req.stream:
         return stream(gen, response_events(turn, gen, store), WIRE)
     await gen.drain()
-    return turn.finish(store, output_items(gen.outputs[0], fmt), gen)
+    return await turn.finish(store, output_items(gen.outputs[0], fmt), gen)
 
 
 async def _start(
@@ -109,13 +115,12 @@ async def _start(
 
 @router.get("/responses/{response_id}")
 async def retrieve(response_id: str, store: StoreDep) -> dict:
-    return store.get(response_id).body
+    return (await store.get(response_id)).body
 
 
 @router.delete("/responses/{response_id}")
 async def delete(response_id: str, ingress: IngressDep, store: StoreDep) -> dict:
-    entry = store.get(response_id)
-    store.delete(response_id)
+    entry = await store.delete(response_id)
     if entry.chain == response_id:  # the chain's first turn: its context goes with it
         try:
             await free(ingress, entry.model, context_id(entry.chain))
@@ -138,7 +143,7 @@ async def input_items(
     first unless `order=asc`, a page of `limit` after the item `after`."""
     items = [
         listed_item(response_id, i, item)
-        for i, item in enumerate(store.get(response_id).input_items)
+        for i, item in enumerate((await store.get(response_id)).input_items)
     ]
     if order == "desc":
         items.reverse()

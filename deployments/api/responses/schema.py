@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.openai_structured import (
+from app.protocol.sampling import Constraint, SamplingParams, sampling_params
+from deployments.api.structured import (
     MAX_TOOLS,
     FunctionDef,
     JsonSchemaFormat,
@@ -25,7 +26,6 @@ from app.protocol.openai_structured import (
     ToolFields,
     drop_inert,
 )
-from app.protocol.sampling import Constraint, SamplingParams, sampling_params
 
 NOT_SUPPORTED = "is not supported by this server"
 # Fields this server does not honour, with the values that ask for nothing.

@@ -1,24 +1,20 @@
-"""Stored Responses (OpenAI's Responses API, `store: true`): what GET returns and what a
-`previous_response_id` continues from.
-
-Each entry keeps only its own turn (its input and output as chat-template messages) and
-the id it continued; a conversation is read by walking back along the chain. The store
-is in memory, per ingress replica, and bounded in count and in bytes (least recently
-used first out; a request may be megabytes, so a count alone bounds nothing): a chain
-whose older turn has been dropped can no longer be continued (404, which says so). The
-KV of a chain lives in a persistent context on a model replica (warm_context.py), named
-after the chain's first response.
+"""Stored Responses (`store: true`): what GET returns and what a `previous_response_id`
+continues from, in the app's database (deployments/state/responses.py), so every ingress
+replica sees every chain. The KV of a chain lives in a persistent context on a model
+replica (warm_context.py), named after the chain's first response.
 """
 
 import json
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from app.protocol.errors import InvalidRequestError, NotFoundError
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
 
-MAX_RESPONSES = 10_000
-MAX_BYTES = 1 << 30  # of stored JSON, per ingress replica
+from app.protocol.errors import InvalidRequestError, NotFoundError
+from deployments.state.database import Database
+from deployments.state.responses import StoredResponse
+
 MAX_CHAIN = 1_000  # turns walked back: deeper chains are refused, not walked for ever
 # A conversation to continue: far more text than any context window holds, so a longer
 # one is refused before it is sent to be rendered, not after.
@@ -26,74 +22,97 @@ MAX_CONVERSATION_BYTES = 16 << 20
 
 
 @dataclass
-class StoredResponse:
+class Entry:
+    """A stored turn, as the routes read and write it."""
+
     id: str
     model: str
     chain: str  # the first response's id: names the chain's context
     previous_id: str | None
     input_items: list[dict[str, Any]]
     messages: list[dict[str, Any]]  # this turn's input and output, as the template takes them
-    body: dict[str, Any] = field(default_factory=dict)  # the Response object
-    size: int = 0  # bytes of its JSON, counted when stored
+    body: dict[str, Any]  # the Response object
+
+
+def _entry(row: StoredResponse) -> Entry:
+    return Entry(
+        row.id, row.model, row.chain, row.previous_id, row.input_items, row.messages, row.body
+    )
+
+
+def _get(s: Session, response_id: str, param: str) -> StoredResponse:
+    row = s.get(StoredResponse, response_id)
+    if row is None:
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param)
+    return row
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES) -> None:
-        self.max_responses = max_responses
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
-        entry = self._entries.get(response_id)
-        if entry is None:
-            raise NotFoundError(f"Response with id '{response_id}' not found.", param)
-        self._entries.move_to_end(response_id)
-        return entry
+    async def get(self, response_id: str, param: str = "response_id") -> Entry:
+        return await self.db.work(lambda s: _entry(_get(s, response_id, param)))
 
-    def put(self, entry: StoredResponse) -> None:
-        if entry.id in self._entries:
-            self._drop(entry.id)
-        parts = [entry.input_items, entry.messages, entry.body]
-        entry.size = len(json.dumps(parts, default=str))
-        self._entries[entry.id] = entry
-        self._bytes += entry.size
-        while len(self._entries) > 1 and (
-            len(self._entries) > self.max_responses or self._bytes > self.max_bytes
-        ):
-            self._drop(next(iter(self._entries)))
+    async def put(self, entry: Entry) -> None:
+        size = len(json.dumps([entry.input_items, entry.messages, entry.body], default=str))
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        self._drop(response_id)
+        def work(s: Session) -> None:
+            s.merge(
+                StoredResponse(
+                    id=entry.id,
+                    model=entry.model,
+                    chain=entry.chain,
+                    previous_id=entry.previous_id,
+                    input_items=entry.input_items,
+                    messages=entry.messages,
+                    body=entry.body,
+                    size=size,
+                )
+            )
 
-    def _drop(self, response_id: str) -> None:
-        self._bytes -= self._entries.pop(response_id).size
+        await self.db.work(work)
 
-    def conversation(self, response_id: str) -> tuple[StoredResponse, list[dict[str, Any]]]:
+    async def delete(self, response_id: str) -> Entry:
+        """Forget a response (its later turns can no longer be continued); returns it."""
+
+        def work(s: Session) -> Entry:
+            entry = _entry(_get(s, response_id, "response_id"))
+            s.execute(delete(StoredResponse).where(StoredResponse.id == response_id))
+            return entry
+
+        return await self.db.work(work)
+
+    async def conversation(self, response_id: str) -> tuple[Entry, list[dict[str, Any]]]:
         """The response `response_id` continues from, and the whole conversation up to and
         including it."""
-        last = self.get(response_id, "previous_response_id")
-        turns, entry, size = [last], last, last.size
-        while entry.previous_id is not None and size <= MAX_CONVERSATION_BYTES:
-            if len(turns) >= MAX_CHAIN:
-                raise NotFoundError(
-                    f"the chain of {response_id} is over {MAX_CHAIN} turns", "previous_response_id"
-                )
-            older = self._entries.get(entry.previous_id)
-            if older is None:
-                raise NotFoundError(
-                    f"response {entry.previous_id}, earlier in the chain of {response_id}, is no "
-                    "longer stored (deleted, or dropped for the store's limit)",
-                    "previous_response_id",
-                )
-            self._entries.move_to_end(older.id)
-            turns.append(older)
-            entry, size = older, size + older.size
-        if size > MAX_CONVERSATION_BYTES:
-            raise InvalidRequestError(
-                f"the conversation up to {response_id} is over {MAX_CONVERSATION_BYTES} bytes: "
-                "too long to continue",
+        return await self.db.work(_conversation, response_id)
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def _conversation(s: Session, response_id: str) -> tuple[Entry, list[dict[str, Any]]]:
+    last = _get(s, response_id, "previous_response_id")
+    turns, row, size = [last], last, last.size
+    while row.previous_id is not None and size <= MAX_CONVERSATION_BYTES:
+        if len(turns) >= MAX_CHAIN:
+            raise NotFoundError(
+                f"the chain of {response_id} is over {MAX_CHAIN} turns", "previous_response_id"
+            )
+        older = s.get(StoredResponse, row.previous_id)
+        if older is None:
+            raise NotFoundError(
+                f"response {row.previous_id}, earlier in the chain of {response_id}, is no "
+                "longer stored (it was deleted)",
                 "previous_response_id",
             )
-        return last, [m for turn in reversed(turns) for m in turn.messages]
+        turns.append(older)
+        row, size = older, size + older.size
+    if size > MAX_CONVERSATION_BYTES:
+        raise InvalidRequestError(
+            f"the conversation up to {response_id} is over {MAX_CONVERSATION_BYTES} bytes: "
+            "too long to continue",
+            "previous_response_id",
+        )
+    return _entry(last), [m for turn in reversed(turns) for m in turn.messages]

@@ -7,11 +7,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from app.protocol.responses import ResponsesRequest
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import whole_output
-from deployments.generation import Generation, OutputState
-from deployments.response_store import ResponseStore, StoredResponse
+from deployments.api.responses.schema import ResponsesRequest
+from deployments.api.responses.store import Entry, ResponseStore
+from deployments.http.generation import Generation, OutputState
 
 
 @dataclass
@@ -73,14 +73,14 @@ class Turn:
             "metadata": req.metadata or {},
         }
 
-    def finish(self, store: ResponseStore, output: list[dict], gen: Generation) -> dict:
+    async def finish(self, store: ResponseStore, output: list[dict], gen: Generation) -> dict:
         """The finished response's object, stored (with `store`) for GET and follow-ups."""
         status = "incomplete" if gen.outputs[0].finish_reason == "length" else "completed"
         body = self.body(status, output, gen)
         if self.req.store:
             messages = [*self.new_messages, assistant_message(output)]
-            store.put(
-                StoredResponse(
+            await store.put(
+                Entry(
                     self.id,
                     self.model,
                     self.chain,

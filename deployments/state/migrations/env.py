@@ -1,10 +1,12 @@
-"""Alembic's environment for the Assistants database: run by AssistantsStore at start-up
-(`alembic upgrade head`), on the URL the store was given."""
+"""Alembic's environment for the app's database: run at start-up (`alembic upgrade head`,
+see database.py) on the URL it was given. Every feature's tables are imported so that
+the metadata is the whole database's."""
 
 from alembic import context
 from sqlalchemy import create_engine
 
-from deployments.assistants.schema import Base
+from deployments.state import assistants, downloads, inference, responses  # noqa: F401 (tables)
+from deployments.state.base import Base
 
 config = context.config
 connection = config.attributes.get("connection")

@@ -1,4 +1,4 @@
-"""The operator's download list (deployments/operator/download_store.py)
+"""The operator's download list (deployments/state/downloads.py)
 
 Revision ID: 0002
 Revises: 0001

@@ -1,4 +1,4 @@
-"""The operator's aliases started at run time (deployments/operator/inference_store.py)
+"""The operator's aliases started at run time (deployments/state/inference.py)
 
 Revision ID: 0003
 Revises: 0002

@@ -1,0 +1,55 @@
+"""The Ingress, EngineRegistry, Operator and `serve run` driver import no torch.
+
+Their modules (and every module the driver imports to bind the graph: deployments.builder
+reaches the ModelServer, Tokenizer and Embedder deployments) import torch and
+transformers only inside the replicas that need them, so those processes never map
+libtorch (hundreds of MiB of PSS each). Each check runs in a fresh interpreter: this
+test process may have imported torch already.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LIGHT = (
+    "deployments.http.app",
+    "deployments.registry",
+    "deployments.operator.operator",
+    "deployments.builder",
+    "deployments.model_server",
+    "deployments.tokenizer",
+    "deployments.embeddings",
+    "app.engine",
+    "app.protocol",
+)
+
+
+@pytest.mark.parametrize("heavy", ["torch", "transformers"])
+def test_light_processes_import_no(heavy: str):
+    code = (
+        f"import {', '.join(LIGHT)}; import sys; "
+        "from deployments.builder import graph; graph; "
+        f"heavy = sorted(m for m in sys.modules if m == {heavy!r} or m.startswith({heavy!r} + '.')); "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_driver_builds_the_default_graph_without_torch():
+    """What `serve run app:graph` does in the driver: resolve the builder, build the app."""
+    code = (
+        "import sys, app; "
+        "from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as b; "
+        "b(app.graph, {}); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
