@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from app.engine.config import EngineConfig
 from app.models.source import DEFAULT_MODEL
 from app.text.reasoning import REASONING_PARSERS
+from deployments.database_config import DatabaseConfig, moved_database_keys
 
 
 class AutoscalingConfig(BaseModel):
@@ -166,38 +167,18 @@ class EmbeddingsConfig(BaseModel):
     max_batch_inputs: int = Field(256, ge=1, description="Most inputs in one request.")
 
 
-DEFAULT_ASSISTANTS_DB = "~/.shoal/assistants.sqlite3"
-
-
 class AssistantsConfig(BaseModel):
-    """OpenAI's Assistants API: its state lives in one SQL database (deployments/state)."""
+    """OpenAI's Assistants API; its state lives in the app's database (`database`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool = True
-    database_url: str | None = Field(
-        None,
-        description="Any SQLAlchemy URL (e.g. postgresql+psycopg://...), which several ingress "
-        "replicas may share; None: the SQLite file at database_path.",
-    )
-    database_path: str = Field(
-        default_factory=lambda: os.environ.get("SHOAL_ASSISTANTS_DB", DEFAULT_ASSISTANTS_DB),
-        description="The SQLite file when database_url is None (default: $SHOAL_ASSISTANTS_DB, "
-        "else ~/.shoal/assistants.sqlite3).",
-    )
     run_lease_s: float = Field(
         30.0,
         gt=0,
         description="A queued or running run whose ingress has not touched it for this long "
         "(a crash, a restart) is ended as failed when next read.",
     )
-
-    def url(self) -> str:
-        if self.database_url:
-            return self.database_url
-        path = Path(self.database_path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{path}"
 
 
 DEFAULT_MODELS_DIR = "~/.shoal/models"
@@ -257,6 +238,7 @@ class AppConfig(BaseModel):
 
     models: list[ModelDeploymentConfig] = Field(default_factory=lambda: [ModelDeploymentConfig()])
     embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
+    database: DatabaseConfig = Field(default_factory=DatabaseConfig)
     assistants: AssistantsConfig = Field(default_factory=AssistantsConfig)
     operator: OperatorConfig = Field(default_factory=OperatorConfig)
     tokenizer_num_cpus: float = Field(0.25, gt=0)
@@ -286,6 +268,8 @@ class AppConfig(BaseModel):
     )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request names none.")
 
+    _moved_database_keys = model_validator(mode="before")(moved_database_keys)
+
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
         names = [m.name for m in self.models]
@@ -296,12 +280,12 @@ class AppConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _one_assistants_database(self) -> "AppConfig":
+    def _one_database(self) -> "AppConfig":
         # Stored Responses (and Assistants, when on) must be where every replica reads them.
-        if self.ingress_replicas > 1 and not self.assistants.database_url:
+        if self.ingress_replicas > 1 and not self.database.url:
             raise ValueError(
                 "ingress replicas would each keep their own SQLite file of stored Responses "
-                "and Assistants: set assistants.database_url to a database they share"
+                "and Assistants: set database.url to a database they share"
             )
         return self
 
@@ -325,7 +309,7 @@ class AppArgs(AppConfig):
     )
 
     @model_validator(mode="after")
-    def _one_assistants_database(self) -> "AppArgs":
+    def _one_database(self) -> "AppArgs":
         return self  # checked on the resolved AppConfig: the file may name the database
 
     def resolve(self) -> AppConfig:

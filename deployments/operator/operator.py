@@ -58,7 +58,7 @@ class Operator:
         self.deployer = deployer or ServeDeployer(self.app_name, registry)
         op = config.operator
         policy = HostPolicy.for_hub(op.hub_endpoint, op.storage_hosts, op.private_hosts)
-        db = Database(config.assistants.url())
+        db = Database(config.database.sqlalchemy_url())
         self.downloads = DownloadManager(
             Hub(op.hub_endpoint, op.hub_token, policy),
             DownloadStore(db, self.app_name),

@@ -94,9 +94,23 @@ def test_every_shipped_config_fits_two_cpus(path):
 
 def test_several_ingress_replicas_need_one_shared_database():
     """Stored Responses are the app's whether or not Assistants are on."""
-    with pytest.raises(ValidationError, match="database_url"):
+    with pytest.raises(ValidationError, match="database.url"):
         AppConfig.model_validate({"ingress_replicas": 2})
-    with pytest.raises(ValidationError, match="database_url"):
+    with pytest.raises(ValidationError, match="database.url"):
         AppConfig.model_validate({"ingress_replicas": 2, "assistants": {"enabled": False}})
-    shared = {"database_url": "postgresql+psycopg://u@db/shoal"}
-    assert AppConfig.model_validate({"ingress_replicas": 2, "assistants": shared})
+    shared = {"url": "postgresql+psycopg://u@db/shoal"}
+    assert AppConfig.model_validate({"ingress_replicas": 2, "database": shared})
+
+
+def test_one_database_setting_and_its_older_spelling():
+    """`database` is the app's one database; `assistants.database_url` / `database_path`
+    still mean it (from when Assistants alone had one), but not beside it."""
+    new = AppConfig.model_validate({"database": {"url": "sqlite:////tmp/x.sqlite3"}})
+    old = AppConfig.model_validate({"assistants": {"database_url": "sqlite:////tmp/x.sqlite3"}})
+    assert new.database == old.database and new.database.sqlalchemy_url().endswith("x.sqlite3")
+    path = AppConfig.model_validate({"assistants": {"enabled": False, "database_path": "/tmp/y"}})
+    assert path.database.sqlalchemy_url() == "sqlite:////tmp/y" and not path.assistants.enabled
+    with pytest.raises(ValidationError, match="set the database once"):
+        AppConfig.model_validate(
+            {"database": {"url": "sqlite://"}, "assistants": {"database_url": "sqlite://"}}
+        )

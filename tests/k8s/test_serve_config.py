@@ -23,10 +23,10 @@ from tests.k8s.kube import (
     worker_group,
 )
 
-# What the shoal-config Secret's config.yaml holds (README: "Deploying on Kubernetes").
+# What the shoal-config Secret's config.yaml holds (docs/operating.md: "Deploying on Kubernetes").
 SECRET_CONFIG = {
     "api_keys": ["k8s-test-key-1", "k8s-test-key-2"],
-    "assistants": {"database_url": "postgresql+psycopg://shoal:pw@postgres:5432/shoal"},
+    "database": {"url": "postgresql+psycopg://shoal:pw@postgres:5432/shoal"},
 }
 
 

@@ -50,10 +50,8 @@ def ops(serve_app, tmp_path_factory):
                 # Two ingress replicas: every WebSocket client gets every event, whichever
                 # replica it reached. They share one SQLite file (one node here).
                 "ingress_replicas": 2,
-                "assistants": {
-                    "enabled": False,
-                    "database_url": f"sqlite:///{state / 'shoal.sqlite3'}",
-                },
+                "assistants": {"enabled": False},
+                "database": {"url": f"sqlite:///{state / 'shoal.sqlite3'}"},
                 "operator": {
                     "hub_endpoint": hub.url,
                     "private_hosts": ["127.0.0.1"],

@@ -25,7 +25,8 @@ def build(db_url: str):  # noqa: ANN201
             "ingress_replicas": 2,
             "embeddings": {"enabled": False},
             "operator": {"enabled": False},
-            "assistants": {"enabled": False, "database_url": db_url},
+            "assistants": {"enabled": False},
+            "database": {"url": db_url},
             "models": [{"num_cpus": 0.5, "engine": {"num_threads": 1, "kv_cache_memory_gib": 0.1}}],
         }
     )

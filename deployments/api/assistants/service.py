@@ -25,7 +25,7 @@ def install(app: FastAPI, ingress: Ingress) -> None:
     config = ingress.config.assistants
     if not config.enabled:
         return
-    store = AssistantsStore(config.url(), config.run_lease_s)
+    store = AssistantsStore(ingress.config.database.sqlalchemy_url(), config.run_lease_s)
     assistants = app.state.assistants = Assistants(store, RunExecutor(ingress, store))
     logger.info("assistants database ready (%s)", store.db.engine.url.render_as_string())
 

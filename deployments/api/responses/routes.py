@@ -41,7 +41,7 @@ router = APIRouter(prefix="/v1")
 
 def install(app: FastAPI, ingress: Ingress) -> None:
     """Stored responses live in the app's database, which every ingress replica shares."""
-    store = app.state.responses = ResponseStore(Database(ingress.config.assistants.url()))
+    store = app.state.responses = ResponseStore(Database(ingress.config.database.sqlalchemy_url()))
 
     async def stop() -> None:
         store.close()
