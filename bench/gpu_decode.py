@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.models.attention import select_backend  # noqa: E402
+from app.models.attention_backends import select_backend  # noqa: E402
 from app.models.loader import random_model  # noqa: E402
 from app.models.source import ModelSource  # noqa: E402
 from app.protocol import SamplingParams  # noqa: E402

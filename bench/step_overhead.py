@@ -87,7 +87,11 @@ def measure(num_seqs: int, args: argparse.Namespace, model_dir: Path) -> dict:
     import torch
 
     from app.engine import EngineConfig, LLMEngine
-    from app.models.attention import select_backend
+
+    try:
+        from app.models.attention_backends import select_backend
+    except ImportError:  # a --peer commit from before attention_backends.py
+        from app.models.attention import select_backend
     from app.models.loader import random_model
     from app.models.source import ModelSource
     from app.protocol import SamplingParams
