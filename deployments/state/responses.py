@@ -4,7 +4,8 @@ database, so that any ingress replica answers a GET or continues a chain.
 A row keeps only its own turn (its input items, its input and output as chat-template
 messages, and the Response object) and the id it continued; a conversation is read by
 walking back along `previous_id`. `chain` is the first response's id: it names the
-chain's warm context on a model replica (deployments/api/warm_context.py).
+chain's warm context on a model replica (deployments/api/warm_context.py). Rows older
+than 30 days are deleted as new ones are stored, as OpenAI keeps stored responses.
 """
 
 from typing import Any
@@ -26,4 +27,4 @@ class StoredResponse(Base):
     messages: Mapped[list[Any]] = mapped_column(JSON)  # the turn's, as templates take them
     body: Mapped[dict[str, Any]] = mapped_column(JSON)  # the Response object
     size: Mapped[int] = mapped_column(Integer)  # bytes of the three above, as JSON
-    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    created_at: Mapped[int] = mapped_column(Integer, default=now, index=True)

@@ -58,3 +58,28 @@ def test_a_conversation_too_long_to_continue_is_a_400(monkeypatch, url):
         store.close()
 
     asyncio.run(go())
+
+
+def test_responses_older_than_30_days_go_and_a_failed_write_is_a_503(monkeypatch, url):
+    from sqlalchemy.exc import OperationalError
+
+    from app.protocol.errors import ShoalError
+
+    async def go():  # noqa: ANN202
+        store = ResponseStore(Database(url))
+        await store.put(_turn(0, "old"))
+        monkeypatch.setattr(response_store, "now", lambda: 10**10)  # 300 years on
+        await store.put(_turn(1, "new"))
+        with pytest.raises(NotFoundError):
+            await store.get("resp_0")
+
+        async def broken(*_args):  # noqa: ANN202
+            raise OperationalError("INSERT", {}, Exception("database is locked"))
+
+        monkeypatch.setattr(store.db, "work", broken)
+        with pytest.raises(ShoalError) as failed:
+            await store.put(_turn(2, "lost"))
+        return failed.value
+
+    failed = asyncio.run(go())
+    assert failed.status_code == 503 and "could not be stored" in failed.message

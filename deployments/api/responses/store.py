@@ -9,11 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from app.protocol.errors import InvalidRequestError, NotFoundError
+from app.protocol.errors import InvalidRequestError, NotFoundError, RemoteError
+from deployments.state.base import now
 from deployments.state.database import Database
 from deployments.state.responses import StoredResponse
+
+KEPT_S = 30 * 24 * 3600  # as OpenAI keeps stored responses: 30 days, then they go
 
 MAX_CHAIN = 1_000  # turns walked back: deeper chains are refused, not walked for ever
 # A conversation to continue: far more text than any context window holds, so a longer
@@ -58,6 +62,7 @@ class ResponseStore:
         size = len(json.dumps([entry.input_items, entry.messages, entry.body], default=str))
 
         def work(s: Session) -> None:
+            s.execute(delete(StoredResponse).where(StoredResponse.created_at < now() - KEPT_S))
             s.merge(
                 StoredResponse(
                     id=entry.id,
@@ -71,7 +76,12 @@ class ResponseStore:
                 )
             )
 
-        await self.db.work(work)
+        try:
+            await self.db.work(work)
+        except SQLAlchemyError as exc:  # the reply was made: say why it cannot be continued
+            raise RemoteError(
+                503, "service_unavailable", f"the response could not be stored: {exc}", None
+            ) from exc
 
     async def delete(self, response_id: str) -> Entry:
         """Forget a response (its later turns can no longer be continued); returns it."""

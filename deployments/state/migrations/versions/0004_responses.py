@@ -29,8 +29,10 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index("ix_responses_chain", "responses", ["chain"])
+    op.create_index("ix_responses_created_at", "responses", ["created_at"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_responses_created_at", table_name="responses")
     op.drop_index("ix_responses_chain", table_name="responses")
     op.drop_table("responses")
