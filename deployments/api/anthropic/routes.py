@@ -21,7 +21,7 @@ from app.protocol.sampling import Constraint, SamplingParams
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
 from deployments.api.anthropic.schema import CountTokensRequest, MessagesRequest
-from deployments.http.chat_turn import ChatTurn, prepare, start
+from deployments.http.chat_turn import ChatTurn, start
 from deployments.http.errors import error_shape
 from deployments.http.generation import Generation, OutputState
 from deployments.http.streaming import stream, typed_sse
@@ -52,8 +52,11 @@ router = APIRouter()
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, ingress: IngressDep) -> dict:
     """The prompt tokens the same request to /v1/messages would feed the model."""
-    prepared = await prepare(ingress, _turn(ingress, req, SamplingParams()))
-    return {"input_tokens": len(prepared.prompt_ids)}
+    # Only the rendering: the output's constraint (a tools grammar to build) counts nothing.
+    turn = _turn(ingress, req, SamplingParams())
+    args = turn.template_args
+    ids = await ingress.encode_chat(turn.model, turn.messages, turn.tools, turn.ending, args)
+    return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
