@@ -21,8 +21,9 @@ from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.messages import ContextOp, EngineRequest, PromptEnding, TemplateArgs
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
+from app.text.light_tokenizer import load_light_tokenizer
 from app.text.reasoning import REASONING_FORMATS, ReasoningFormat, template_format
-from app.text.tokenizer import load_tokenizer, tools_template
+from app.text.tokenizer import tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
 from deployments.http.generation import Generation, overloaded
@@ -74,7 +75,7 @@ class Ingress:
         self._streams = {name: h.options(stream=True) for name, h in models.items()}
         self._calls = models
         self.tokenizers = {
-            m.name: load_tokenizer(resolve_model(m.engine.model), m.chat_template)
+            m.name: load_light_tokenizer(resolve_model(m.engine.model), m.chat_template)
             for m in config.models
         }
         self._info: dict[str, EngineInfo] = {}
@@ -136,7 +137,7 @@ class Ingress:
         """Serve a model started at run time (its tokenizer is loaded first, off the loop)."""
         source = await asyncio.to_thread(resolve_model, config.engine.model)
         self.tokenizers[config.name] = await asyncio.to_thread(
-            load_tokenizer, source, config.chat_template
+            load_light_tokenizer, source, config.chat_template
         )
         self._calls[config.name] = handle
         self._streams[config.name] = handle.options(stream=True)

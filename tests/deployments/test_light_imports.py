@@ -24,6 +24,7 @@ LIGHT = (
     "deployments.embeddings",
     "app.engine",
     "app.protocol",
+    "app.text.light_tokenizer",
 )
 
 

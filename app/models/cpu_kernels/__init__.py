@@ -33,8 +33,11 @@ _BUILD_FLAGS: dict[str, list[str]] = {
 def _build_signature(build: Build = "native") -> str:
     """CPU flags, build flags and sources in one hash, for the build's cache name:
     -march=native makes a build valid only on CPUs with the same features, and an edited
-    source must not find an older build of itself under the same name."""
+    source must not find an older build of itself under the same name.
+    The checkout's path too: torch's build file names the sources by path, so two
+    checkouts sharing a name would each rebuild it for the other."""
     digest = hashlib.sha1(cpu_signature() + " ".join(_BUILD_FLAGS[build]).encode())
+    digest.update(str(Path(__file__).resolve().parent).encode())
     for name in SOURCES:
         digest.update(Path(__file__).with_name(name).read_bytes())
     return digest.hexdigest()[:10]

@@ -86,8 +86,11 @@ _BUILD_FLAGS: dict[str, list[str]] = {
 
 def _build_signature(build: Build) -> str:
     """CPU flags and sources in one hash: -march=native builds are valid only on CPUs with
-    the same features, and an edited source must not find an older build of itself."""
+    the same features, and an edited source must not find an older build of itself.
+    The checkout's path too: torch's build file names the sources by path, so two
+    checkouts sharing a name would each rebuild it for the other."""
     digest = hashlib.sha1(cpu_signature() + " ".join(_BUILD_FLAGS[build]).encode())
+    digest.update(str(Path(__file__).resolve().parent).encode())
     for name in _SOURCES:
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:10]

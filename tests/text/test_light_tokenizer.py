@@ -1,0 +1,113 @@
+"""The ingress's torch-free tokenizer decodes as transformers' own does, and loads
+without torch once its GGUF was converted (by a child process when the caller has none)."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.models.source import ModelSource, resolve_model
+from app.text.light_tokenizer import load_light_tokenizer
+from app.text.tokenizer import load_tokenizer
+from tests.helpers import save_tiny_checkpoint
+from tests.models.gguf_writer import write_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = "Héllo wörld, 你好!\n\n  code: `x = 1`"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def assert_same_tokenizer(light, full) -> None:
+    assert light.chat_template == full.chat_template
+    assert (light.bos_token, light.eos_token, light.eos_token_id) == (
+        full.bos_token,
+        full.eos_token,
+        full.eos_token_id,
+    )
+    assert light.get_vocab() == full.get_vocab()
+    rng = random.Random(0)
+    size = len(full.get_vocab())
+    specials = [i for i in full.all_special_ids if i is not None]
+    for _ in range(50):
+        ids = [rng.randrange(size) for _ in range(rng.randrange(1, 40))] + specials[:2]
+        for skip in (False, True):
+            assert light.decode(ids, skip_special_tokens=skip) == full.decode(
+                ids, skip_special_tokens=skip
+            )
+    ids = full(TEXT, add_special_tokens=False).input_ids
+    assert light.decode(ids) == full.decode(ids)
+
+
+def test_the_default_gguf_decodes_as_transformers_does(cache):
+    source = resolve_model("default")
+    light, full = load_light_tokenizer(source), load_tokenizer(source)
+    assert_same_tokenizer(light, full)
+    assert light.decode(full(TEXT, add_special_tokens=False).input_ids) == TEXT
+    assert len(list((cache / "tokenizers").iterdir())) == 1  # converted once, kept
+
+
+def test_a_sentencepiece_gguf_decodes_as_transformers_does(cache, tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "llama")
+    gguf = write_gguf(checkpoint, tmp_path / "llama.gguf")
+    source = ModelSource("llama", gguf.parent, gguf.name)
+    assert_same_tokenizer(load_light_tokenizer(source), load_tokenizer(source))
+
+
+def test_a_checkpoint_directory_loads_its_tokenizer_json(cache, tmp_path):
+    full = load_tokenizer(resolve_model("default"))
+    full.save_pretrained(tmp_path / "hf")
+    source = ModelSource("hf", tmp_path / "hf")
+    assert_same_tokenizer(load_light_tokenizer(source), load_tokenizer(source))
+
+
+def test_the_configured_template_replaces_the_models_own(cache):
+    light = load_light_tokenizer(resolve_model("default"), "{{ messages[0].content }}")
+    assert light.chat_template == "{{ messages[0].content }}"
+
+
+def test_a_process_without_torch_converts_in_a_child_and_stays_without_torch(cache):
+    """The first load converts in a child process; the second reads the cache; neither
+    imports torch into the caller."""
+    code = (
+        "import sys; from app.models.source import resolve_model; "
+        "from app.text.light_tokenizer import load_light_tokenizer; "
+        "t = load_light_tokenizer(resolve_model('default')); "
+        "assert t.decode([1, 9690, 2]) == '<|im_start|>system<|im_end|>', t.decode([1, 9690, 2]); "
+        "assert 'torch' not in sys.modules and 'transformers.integrations.gguf.reader' "
+        "not in sys.modules"
+    )
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert len(list((cache / "tokenizers").iterdir())) == 1
+
+
+def test_a_corrupt_gguf_is_a_model_load_error(cache, tmp_path):
+    from app.protocol.errors import ModelLoadError
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom app.models.source import ModelSource\n"
+        "from app.protocol.errors import ModelLoadError\n"
+        "from app.text.light_tokenizer import load_light_tokenizer\n"
+        f"p = Path({str(bad)!r})\n"
+        "try:\n    load_light_tokenizer(ModelSource('bad', p.parent, p.name))\n"
+        "except ModelLoadError as e:\n    print('refused', e)\nelse:\n    sys.exit(3)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "refused" in result.stdout, result.stderr[-2000:]
+    with pytest.raises(ModelLoadError):  # in a process with torch: the same refusal
+        load_light_tokenizer(ModelSource("bad", bad.parent, bad.name))
+    assert [p.name for p in (cache / "tokenizers").iterdir()] == []  # no half conversion
