@@ -8,6 +8,7 @@ from deployments.http.app import IngressDeployment
 from deployments.model_deployment import model_deployment
 from deployments.model_server import ModelServerDeployment
 from deployments.operator.operator import OperatorDeployment
+from deployments.quiet_ray import quiet_ray_defaults
 from deployments.registry import RegistryDeployment
 from deployments.tokenizer import TokenizerDeployment
 
@@ -50,5 +51,7 @@ def build_app(config: AppConfig, model_server: Deployment = ModelServerDeploymen
 def graph(args: AppArgs) -> Application:
     """`serve run app:graph [key=value ...]`, or `import_path: app:graph` with `args` in a
     Serve config file (KubeRay's serveConfigV2). Serve validates the args into AppArgs
-    (the annotation tells it to); with none, the config is $SHOAL_CONFIG's or the defaults."""
+    (the annotation tells it to); with none, the config is $SHOAL_CONFIG's or the defaults.
+    `serve run` calls it before it starts Ray: the Ray it starts gets quieter timers."""
+    quiet_ray_defaults()
     return build_app(args.resolve())
