@@ -1,6 +1,7 @@
 """Structured outputs and tool calls through OpenAI's routes in-process, with the
 official openai client: every constrained output parses, every forced call is a call."""
 
+import asyncio
 import json
 import re
 
@@ -86,20 +87,21 @@ def test_parse_with_a_pydantic_model_greedy_and_sampled():
     ]
 
     async def scenario(client):  # noqa: ANN001, ANN202
-        out = []
-        for i, prompt in enumerate(prompts):
-            for temperature in (0.0, 1.0):
-                out.append(
-                    await client.beta.chat.completions.parse(
-                        model=MODEL,
-                        messages=[{"role": "user", "content": prompt}],
-                        response_format=Person,
-                        max_tokens=200,
-                        temperature=temperature,
-                        seed=i,
-                    )
+        # All at once: the engine batches them, each under its own grammar.
+        return await asyncio.gather(
+            *(
+                client.beta.chat.completions.parse(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": prompt}],
+                    response_format=Person,
+                    max_tokens=200,
+                    temperature=temperature,
+                    seed=i,
                 )
-        return out
+                for i, prompt in enumerate(prompts)
+                for temperature in (0.0, 1.0)
+            )
+        )
 
     for completion in run(_with_client(scenario)):
         choice = completion.choices[0]

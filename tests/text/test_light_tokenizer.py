@@ -24,6 +24,12 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
+@pytest.fixture(scope="module")
+def default_full():  # noqa: ANN201
+    """transformers' own tokenizer of the default GGUF (read once: it parses the file)."""
+    return load_tokenizer(resolve_model("default"))
+
+
 def assert_same_tokenizer(light, full) -> None:
     assert light.chat_template == full.chat_template
     assert (light.bos_token, light.eos_token, light.eos_token_id) == (
@@ -45,9 +51,8 @@ def assert_same_tokenizer(light, full) -> None:
     assert light.decode(ids) == full.decode(ids)
 
 
-def test_the_default_gguf_decodes_as_transformers_does(cache):
-    source = resolve_model("default")
-    light, full = load_light_tokenizer(source), load_tokenizer(source)
+def test_the_default_gguf_decodes_as_transformers_does(cache, default_full):
+    light, full = load_light_tokenizer(resolve_model("default")), default_full
     assert_same_tokenizer(light, full)
     assert light.decode(full(TEXT, add_special_tokens=False).input_ids) == TEXT
     assert len(list((cache / "tokenizers").iterdir())) == 1  # converted once, kept
@@ -60,34 +65,33 @@ def test_a_sentencepiece_gguf_decodes_as_transformers_does(cache, tmp_path):
     assert_same_tokenizer(load_light_tokenizer(source), load_tokenizer(source))
 
 
-def test_a_checkpoint_directory_loads_its_tokenizer_json(cache, tmp_path):
-    full = load_tokenizer(resolve_model("default"))
-    full.save_pretrained(tmp_path / "hf")
+def test_a_checkpoint_directory_loads_its_tokenizer_json(cache, tmp_path, default_full):
+    default_full.save_pretrained(tmp_path / "hf")
     source = ModelSource("hf", tmp_path / "hf")
     assert_same_tokenizer(load_light_tokenizer(source), load_tokenizer(source))
 
 
-def test_the_configured_template_replaces_the_models_own(cache):
-    light = load_light_tokenizer(resolve_model("default"), "{{ messages[0].content }}")
+def test_the_configured_template_replaces_the_models_own(cache, tmp_path, default_full):
+    default_full.save_pretrained(tmp_path / "hf")  # no conversion needed for this one
+    light = load_light_tokenizer(ModelSource("hf", tmp_path / "hf"), "{{ messages[0].content }}")
     assert light.chat_template == "{{ messages[0].content }}"
 
 
 def test_a_process_without_torch_converts_in_a_child_and_stays_without_torch(cache):
-    """The first load converts in a child process; the second reads the cache; neither
+    """The first load converts in a child process, the second reads the cache; neither
     imports torch into the caller."""
     code = (
         "import sys; from app.models.source import resolve_model; "
         "from app.text.light_tokenizer import load_light_tokenizer; "
-        "t = load_light_tokenizer(resolve_model('default')); "
-        "assert t.decode([1, 9690, 2]) == '<|im_start|>system<|im_end|>', t.decode([1, 9690, 2]); "
+        "ts = [load_light_tokenizer(resolve_model('default')) for _ in range(2)]; "
+        "assert all(t.decode([1, 9690, 2]) == '<|im_start|>system<|im_end|>' for t in ts); "
         "assert 'torch' not in sys.modules and 'transformers.integrations.gguf.reader' "
         "not in sys.modules"
     )
-    for _ in range(2):
-        result = subprocess.run(
-            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
     assert len(list((cache / "tokenizers").iterdir())) == 1
 
 
