@@ -13,6 +13,7 @@ registry is plain state in one light Serve deployment; the ingress reads it for 
 
 import asyncio
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -29,9 +30,14 @@ class EngineRegistry:
         self.engines: dict[str, dict[str, Any]] = {}
         self.version = 0  # counts the changes of the list's figures (see `watch`)
         self._changed: tuple[asyncio.Event, asyncio.AbstractEventLoop] | None = None
+        # Serve runs the sync methods in its thread pool and `watch` on the event loop:
+        # the list, the version and the watchers' event change under this lock, so a
+        # change between a watcher's look at the version and its wait still wakes it.
+        self._lock = threading.RLock()
 
     def _bump(self) -> None:
-        """An engine joined, left or reported other figures: wake the watchers."""
+        """An engine joined, left or reported other figures: wake the watchers (called
+        under the lock)."""
         self.version += 1
         waiting, self._changed = self._changed, None
         if waiting is not None:
@@ -49,11 +55,15 @@ class EngineRegistry:
         """(version, list) once the figures differ from those of `version` (at once if
         they already do), or after `timeout_s`: a long poll, so that a reader learns of a
         change when it happens and costs nothing while there is none."""
-        if version == self.version:
-            if self._changed is None:
-                self._changed = (asyncio.Event(), asyncio.get_running_loop())
+        with self._lock:
+            changed = None
+            if version == self.version:
+                if self._changed is None:
+                    self._changed = (asyncio.Event(), asyncio.get_running_loop())
+                changed = self._changed[0]
+        if changed is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed[0].wait(), timeout_s)
+                await asyncio.wait_for(changed.wait(), timeout_s)
         engines = self.list()  # drops the silent ones first (a change)
         return self.version, engines
 
@@ -61,39 +71,42 @@ class EngineRegistry:
         self, engine_id: str, engine_name: str, config: dict[str, Any], node_id: str | None = None
     ) -> None:
         now = time.time()
-        self.engines[engine_id] = {
-            "engine_id": engine_id,
-            "engine_name": engine_name,
-            "node_id": node_id,  # the Ray node the replica runs on
-            "config": config,
-            "registered_at": now,
-            "last_heartbeat": now,
-            "runtime_info": {},
-        }
-        self._bump()
+        with self._lock:
+            self.engines[engine_id] = {
+                "engine_id": engine_id,
+                "engine_name": engine_name,
+                "node_id": node_id,  # the Ray node the replica runs on
+                "config": config,
+                "registered_at": now,
+                "last_heartbeat": now,
+                "runtime_info": {},
+            }
+            self._bump()
 
     def heartbeat(self, engine_id: str, runtime_info: dict[str, Any]) -> bool:
         """False when the engine is not registered (dropped out): it registers again."""
-        engine = self.engines.get(engine_id)
-        if engine is None:
-            return False
-        engine["last_heartbeat"] = time.time()
-        if engine["runtime_info"] != runtime_info:
-            engine["runtime_info"] = runtime_info
-            self._bump()
-        return True
+        with self._lock:
+            engine = self.engines.get(engine_id)
+            if engine is None:
+                return False
+            engine["last_heartbeat"] = time.time()
+            if engine["runtime_info"] != runtime_info:
+                engine["runtime_info"] = runtime_info
+                self._bump()
+            return True
 
     def list(self) -> list[dict[str, Any]]:
         now = time.time()
-        for engine_id in [
-            e for e, v in self.engines.items() if now - v["last_heartbeat"] > self.stale_after_s
-        ]:
-            del self.engines[engine_id]
-            self._bump()
-        return [
-            {**v, "seconds_since_heartbeat": round(now - v["last_heartbeat"], 2)}
-            for v in self.engines.values()
-        ]
+        with self._lock:
+            for engine_id in [
+                e for e, v in self.engines.items() if now - v["last_heartbeat"] > self.stale_after_s
+            ]:
+                del self.engines[engine_id]
+                self._bump()
+            return [
+                {**v, "seconds_since_heartbeat": round(now - v["last_heartbeat"], 2)}
+                for v in self.engines.values()
+            ]
 
 
 RegistryDeployment = serve.deployment(EngineRegistry, name="EngineRegistry")

@@ -117,10 +117,13 @@ class Operator:
             by_model: dict[str, list[dict]] = {}
             for e in engines:
                 by_model.setdefault(e["engine_name"], []).append(e["runtime_info"])
+            # A model whose last replica went away is said once more, with none.
+            for alias in published.keys() - by_model.keys():
+                by_model[alias] = []
             for alias, infos in by_model.items():
                 if published.get(alias) != infos:
                     self.events.publish("metrics", _timings(alias, infos))
-            published = by_model
+            published = {alias: infos for alias, infos in by_model.items() if infos}
             await asyncio.sleep(METRICS_EVERY_S)
 
     # ---- downloads, inference, catalog ----------------------------------------------------

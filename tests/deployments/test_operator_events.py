@@ -56,3 +56,46 @@ def test_a_slow_client_is_dropped_and_the_others_keep_their_events():
         assert not fast.dropped.is_set() and fast in broadcaster.clients
 
     run(scenario())
+
+
+def test_metrics_events_follow_the_registry_down_to_no_replica(tmp_path, monkeypatch):
+    """The operator's `metrics` events come from the registry's long poll: one when a
+    model's figures change, none while they do not, and one saying 0 replicas when the
+    model's last replica stops sending heartbeats (before, the model just went quiet)."""
+    from deployments.config import AppConfig
+    from deployments.operator import operator as operator_module
+    from deployments.registry import EngineRegistry
+    from tests.local_app import LocalHandle
+
+    monkeypatch.setattr(operator_module, "METRICS_EVERY_S", 0.02)
+    monkeypatch.setattr(operator_module, "WATCH_S", 0.1)
+    config = AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "database": {"path": str(tmp_path / "shoal.sqlite3")},
+            "operator": {"models_dir": str(tmp_path / "models")},
+        }
+    )
+    registry = EngineRegistry(stale_after_s=0.5)
+    operator = operator_module.Operator(config, registry=LocalHandle(registry))
+
+    def replicas(events: list[dict]) -> list[int]:
+        return [e["data"]["meta"]["replicas"] for e in events if e["event"] == "metrics"]
+
+    async def scenario():
+        loop = asyncio.ensure_future(operator._metrics())
+        try:
+            registry.register("r1", "m", {})
+            registry.heartbeat("r1", {"num_running": 1, "tokens_per_s": 5.0})
+            first = await operator.events.since(0, timeout_s=2)
+            assert replicas(first["events"])[-1:] == [1]
+            quiet = await operator.events.since(first["seq"], timeout_s=0.3)
+            assert replicas(quiet["events"]) in ([], [1])  # at most the catch-up
+            gone = await operator.events.since(quiet["seq"], timeout_s=3)
+            assert replicas(gone["events"]) == [0]
+            after = await operator.events.since(gone["seq"], timeout_s=0.4)
+            assert replicas(after["events"]) == []  # said once
+        finally:
+            loop.cancel()
+
+    run(scenario())

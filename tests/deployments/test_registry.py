@@ -59,3 +59,24 @@ def test_watch_waits_for_a_change_and_ignores_same_figures():
         assert (await registry.watch(version, 0.1))[0] == version
 
     asyncio.run(scenario())
+
+
+def test_a_change_from_another_thread_wakes_every_watcher():
+    """Serve runs register/heartbeat in its thread pool while watchers wait on the loop:
+    each of many changes made from threads, each racing a fresh watcher, wakes it."""
+    import asyncio
+    import threading
+
+    async def scenario() -> None:
+        registry = EngineRegistry(stale_after_s=60)
+        registry.register("r1", "model-a", {})
+        for i in range(200):
+            version = registry.version
+            watcher = asyncio.ensure_future(registry.watch(version, 5.0))
+            change = threading.Thread(target=registry.heartbeat, args=("r1", {"n": i}))
+            change.start()
+            got, _ = await asyncio.wait_for(watcher, 2.0)  # never the 5 s timeout
+            change.join()
+            assert got > version
+
+    asyncio.run(scenario())
