@@ -16,7 +16,7 @@ import json
 import re
 
 from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import Constraint, ConstraintKind
+from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
 from app.text.reasoning import ReasoningFormat
 from app.text.tool_calls import JSON_STYLE
 
@@ -33,7 +33,13 @@ def thinking_first(fmt: ReasoningFormat, constraint: Constraint) -> Constraint:
         r"WS: /[ \t\r\n]+/",
         f"answer: {_nested(constraint)}",
     ]
-    return Constraint(kind=ConstraintKind.LARK, spec="\n".join(lines) + "\n")
+    spec = "\n".join(lines) + "\n"
+    if len(spec) > MAX_CONSTRAINT_CHARS:  # the request's constraint, near the limit already
+        raise InvalidRequestError(
+            f"the output's constraint is too large to follow the thinking ({len(spec)} "
+            f"characters with it; at most {MAX_CONSTRAINT_CHARS})"
+        )
+    return Constraint(kind=ConstraintKind.LARK, spec=spec)
 
 
 def _nested(constraint: Constraint) -> str:

@@ -16,8 +16,9 @@ answer and its calls with the PreparedTurn's tool format.
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import PromptEnding, TemplateArgs
-from app.protocol.sampling import Constraint, SamplingParams
+from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
 from app.text.reasoning import ReasoningFormat
 from app.text.reasoning_grammar import thinking_first
 from app.text.tool_calls import ToolFormat, call_grammar
@@ -63,7 +64,14 @@ class ChatTurn:
             functions = [f for f in functions if f["name"] == self.tool_choice.name]
             parallel = False
         optional = self.tool_choice == "auto"
-        return Constraint(kind="lark", spec=call_grammar(fmt, functions, parallel, optional))
+        grammar = call_grammar(fmt, functions, parallel, optional)
+        if len(grammar) > MAX_CONSTRAINT_CHARS:  # the client's tools, not a server fault
+            raise InvalidRequestError(
+                f"tools: their calls' grammar is too large ({len(grammar)} characters; "
+                f"at most {MAX_CONSTRAINT_CHARS}): send fewer or smaller tools",
+                "tools",
+            )
+        return Constraint(kind="lark", spec=grammar)
 
 
 @dataclass

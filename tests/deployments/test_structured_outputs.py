@@ -309,3 +309,40 @@ def test_llamacpp_completion_json_schema_and_grammar():
     assert gbnf.json()["content"] in ("A", "B", "C")
     assert bad.status_code == 400 and "grammar" in bad.json()["error"]["message"]
     assert both.status_code == 400
+
+
+def test_tools_whose_grammar_is_too_large_are_the_clients_400():
+    """128 tools of 50 enum parameters (1.1 MB of JSON, under the body limit): their
+    calls' grammar is over the constraint limit. Told in the dialect's shape, before
+    any rendering or model work (before, a 500)."""
+    props = {f"p{j}": {"type": "string", "enum": [f"v{k}" for k in range(20)]} for j in range(50)}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "parameters": {"type": "object", "properties": props, "required": list(props)},
+            },
+        }
+        for i in range(128)
+    ]
+
+    async def scenario(client):  # noqa: ANN001, ANN202
+        outcomes = []
+        for choice in ("required", "auto"):
+            try:
+                await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    tools=tools,
+                    tool_choice=choice,
+                    max_tokens=4,
+                )
+            except openai.BadRequestError as exc:
+                outcomes.append(exc.body)
+        return outcomes
+
+    outcomes = run(_with_client(scenario))
+    assert len(outcomes) == 2
+    for body in outcomes:
+        assert body["param"] == "tools" and "too large" in body["message"], body

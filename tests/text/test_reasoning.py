@@ -177,3 +177,14 @@ def test_a_constraint_governs_the_answer_after_free_thinking(matcher):
     assert not matcher(qwen3, '<think>x</think>{"b": 1}')
     assert matcher(thinking_first(R1, choice), "maybe?</think> no")
     assert matcher(thinking_first(R1, gbnf), "hmm</think>B")
+
+
+def test_a_constraint_too_large_to_follow_the_thinking_is_the_clients_error():
+    """A grammar just under the limit grows past it nested after the thinking: a 400,
+    not a validation error (a 500) from the bigger constraint."""
+    from app.protocol.errors import InvalidRequestError
+    from app.protocol.sampling import MAX_CONSTRAINT_CHARS
+
+    near = Constraint(kind="lark", spec='start: "' + "a" * (MAX_CONSTRAINT_CHARS - 20) + '"\n')
+    with pytest.raises(InvalidRequestError, match="too large to follow the thinking"):
+        thinking_first(R1, near)
