@@ -83,3 +83,24 @@ def test_responses_older_than_30_days_go_and_a_failed_write_is_a_503(monkeypatch
 
     failed = asyncio.run(go())
     assert failed.status_code == 503 and "could not be stored" in failed.message
+
+
+def test_two_replicas_deleting_one_response_at_once_one_is_told_it_is_gone(url):
+    """Both replicas may find the row; only the one whose DELETE removed it answers with
+    it, the other a 404 (before, both said deleted)."""
+
+    async def go():  # noqa: ANN202
+        one, other = ResponseStore(Database(url)), ResponseStore(Database(url))
+        outcomes = []
+        for i in range(10):
+            await one.put(_turn(i, f"turn {i}"))
+            outcomes.append(
+                await asyncio.gather(
+                    one.delete(f"resp_{i}"), other.delete(f"resp_{i}"), return_exceptions=True
+                )
+            )
+        one.close(), other.close()
+        return outcomes
+
+    for pair in asyncio.run(go()):
+        assert sorted(type(r).__name__ for r in pair) == ["Entry", "NotFoundError"], pair

@@ -88,7 +88,9 @@ class ResponseStore:
 
         def work(s: Session) -> Entry:
             entry = _entry(_get(s, response_id, "response_id"))
-            s.execute(delete(StoredResponse).where(StoredResponse.id == response_id))
+            gone = s.execute(delete(StoredResponse).where(StoredResponse.id == response_id))
+            if gone.rowcount == 0:  # a concurrent delete (another replica) took it first
+                raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
             return entry
 
         return await self.db.work(work)
