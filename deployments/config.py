@@ -316,6 +316,8 @@ class AppArgs(AppConfig):
         path = self.config_path or os.environ.get("SHOAL_CONFIG")
         base: dict[str, Any] = {}
         if path:
-            base = yaml.safe_load(Path(path).read_text()) or {}
+            # The file's older database keys read as `database` first, so that a
+            # `database` given here overrides them as it would the newer spelling.
+            base = moved_database_keys(yaml.safe_load(Path(path).read_text()) or {})
         given = self.model_dump(include=self.model_fields_set - {"config_path"})
         return AppConfig.model_validate({**base, **given})

@@ -60,6 +60,22 @@ def test_args_override_the_config_file(tmp_path, monkeypatch):
     assert AppArgs().resolve().max_tokens_default == 7
 
 
+def test_a_database_given_as_args_overrides_the_files_older_spelling(tmp_path):
+    """A file from before the one `database` setting (`assistants.database_path`) and a
+    `database` given as args: the args win, as over the newer spelling (before: refused
+    as the database set twice). Both spellings in one place stay refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"assistants:\n  database_path: {tmp_path / 'old.sqlite3'}\n")
+    given = {"config_path": str(path), "database": {"url": "sqlite:///new.sqlite3"}}
+    assert AppArgs.model_validate(given).resolve().database.url == "sqlite:///new.sqlite3"
+    file_only = AppArgs.model_validate({"config_path": str(path)}).resolve()
+    assert file_only.database.path == str(tmp_path / "old.sqlite3")
+    with pytest.raises(ValueError, match="set the database once"):
+        AppArgs.model_validate(
+            {"assistants": {"database_path": "a.sqlite3"}, "database": {"path": "b.sqlite3"}}
+        )
+
+
 def ray_cpus(application) -> float:
     """The CPUs Ray must find free to start every replica the application begins with."""
     total = 0.0
