@@ -64,8 +64,9 @@ class EngineRegistry:
         if changed is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout_s)
-        engines = self.list()  # drops the silent ones first (a change)
-        return self.version, engines
+        with self._lock:  # the version of this very list
+            engines = self.list()  # drops the silent ones first (a change)
+            return self.version, engines
 
     def register(
         self, engine_id: str, engine_name: str, config: dict[str, Any], node_id: str | None = None

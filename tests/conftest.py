@@ -19,6 +19,24 @@ os.environ.setdefault("SHOAL_ASSISTANTS_DB", str(_STATE / "assistants.sqlite3"))
 os.environ.setdefault("SHOAL_MODELS_DIR", str(_STATE / "models"))  # the operator's downloads
 
 
+# `app:graph` sets Ray's quieter timers in this process's environment for the Ray that
+# `serve run` starts after it (deployments/quiet_ray.py); a test that builds the graph
+# must not hand them to the Rays later tests start.
+_QUIET = ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS")
+_QUIET += ("LOG_NAME_UPDATE_INTERVAL_S",)
+
+
+@pytest.fixture(autouse=True)
+def _no_quiet_ray_left_behind():  # noqa: ANN202
+    before = {name: os.environ.get(name) for name in _QUIET}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 # Two tiers. `live` marks every test that starts Ray or a server: the live app and Ray
 # clusters (tests/serve, tests/cluster), PostgreSQL, the fixture Hub. `pytest -m "not
 # live"` runs the rest, in-process over the real model: the everyday command.

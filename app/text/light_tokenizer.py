@@ -1,16 +1,20 @@
 """The model's tokenizer as the ingress needs it, loaded without torch.
 
-The ingress only decodes (the Tokenizer deployment encodes and renders) and reads the
-chat template and special tokens; transformers' TokenizersBackend does that over a
-`tokenizer.json` without importing torch, but `AutoTokenizer` imports torch (through
-its config classes) whenever torch is installed, and so does reading a GGUF's
-vocabulary. So a GGUF's tokenizer is converted once, by transformers itself (the same
-conversion `load_tokenizer` does), in a child process when this one has no torch, and
-kept as files in the cache; every later start loads those files. A process without
-torch this way stays hundreds of MiB lighter.
+The ingress decodes (and encodes a fill-in-the-middle request's pieces; the Tokenizer
+deployment renders and encodes the rest) and reads the chat template and special
+tokens; transformers' TokenizersBackend does that over a `tokenizer.json` without
+importing torch, but `AutoTokenizer` imports torch (through its config classes)
+whenever torch is installed, and so does reading a GGUF's vocabulary. So a GGUF's
+tokenizer, or a checkpoint's whose tokenizer class rebuilds the pipeline from its
+vocabulary (LlamaTokenizer and the like), is loaded once by transformers itself (as
+`load_tokenizer` loads it), in a child process when this one has no torch, and saved
+in the cache; every later start loads those files: the same tokenizer the Tokenizer
+deployment has. A process without torch this way stays hundreds of MiB lighter.
 """
 
+import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +28,8 @@ from app.models.source import ModelSource
 from app.protocol.errors import ModelLoadError
 
 CONVERT_TIMEOUT_S = 300
+# Tokenizer classes that load a checkpoint's tokenizer.json as written.
+GENERIC_CLASSES = {None, "TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
 def load_light_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any:
@@ -31,7 +37,7 @@ def load_light_tokenizer(source: ModelSource, chat_template: str | None = None) 
     torch; `chat_template` (the model's configured override) replaces its own. A
     checkpoint with no `tokenizer.json` (a sentencepiece-only one) loads as
     `load_tokenizer` loads it."""
-    directory = _converted_gguf(source) if source.is_gguf else source.directory
+    directory = _as_written(source) or _converted(source)
     if not (directory / "tokenizer.json").is_file():
         from app.text.tokenizer import load_tokenizer
 
@@ -47,12 +53,31 @@ def load_light_tokenizer(source: ModelSource, chat_template: str | None = None) 
     return tokenizer
 
 
+def _as_written(source: ModelSource) -> Path | None:
+    """The checkpoint's own directory when transformers loads its `tokenizer.json` as
+    written (no tokenizer class of its own, or a generic one); None when it must be
+    converted: a GGUF, or a class (LlamaTokenizer, ...) that rebuilds the pipeline."""
+    if source.is_gguf:
+        return None
+    config = source.directory / "tokenizer_config.json"
+    if not (source.directory / "tokenizer.json").is_file():
+        return source.directory
+    try:
+        named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except (OSError, ValueError):
+        named = None
+    return source.directory if named in GENERIC_CLASSES else None
+
+
 def cache_root() -> Path:
     """Where converted tokenizers are kept: $SHOAL_CACHE_DIR, else ~/.cache/shoal, else
-    (a read-only home, as on a KubeRay pod) the temporary directory."""
+    (a read-only or missing home, as on a KubeRay pod) this user's directory under the
+    temporary directory."""
     configured = os.environ.get("SHOAL_CACHE_DIR")
     candidates = [Path(configured)] if configured else []
-    candidates += [Path.home() / ".cache" / "shoal", Path(tempfile.gettempdir()) / "shoal-cache"]
+    with contextlib.suppress(RuntimeError):  # no HOME and no passwd entry
+        candidates.append(Path.home() / ".cache" / "shoal")
+    candidates.append(Path(tempfile.gettempdir()) / f"shoal-cache-{os.getuid()}")
     for root in candidates:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -63,21 +88,21 @@ def cache_root() -> Path:
     raise ModelLoadError("tokenizer", f"no writable cache directory among {candidates}")
 
 
-def _converted_gguf(source: ModelSource) -> Path:
-    """The directory holding the GGUF's tokenizer as transformers converts it; made on
-    first use (another process making it at the same time is harmless: the first
-    rename wins, the loser's copy is dropped)."""
-    gguf = (source.directory / source.gguf_file).resolve()
-    target = cache_root() / "tokenizers" / _key(gguf)
+def _converted(source: ModelSource) -> Path:
+    """The directory holding the tokenizer as transformers loads it, saved; made on first
+    use (another process making it at the same time is harmless: the first rename wins,
+    the loser's copy is dropped)."""
+    origin = (source.directory / (source.gguf_file or "")).resolve()
+    target = cache_root() / "tokenizers" / _key(origin)
     if (target / "tokenizer_config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         if "torch" in sys.modules:  # already paid for: convert here
-            save_gguf_tokenizer(gguf, staging)
+            save_tokenizer(origin, staging)
         else:
-            _convert_in_child(source.name, gguf, staging)
+            _convert_in_child(source.name, origin, staging)
         staging.chmod(0o755)  # mkdtemp made it private; the cache is for every user
         try:
             staging.rename(target)
@@ -89,41 +114,54 @@ def _converted_gguf(source: ModelSource) -> Path:
     return target
 
 
-def save_gguf_tokenizer(gguf: Path, directory: Path) -> None:
-    """Write the GGUF's tokenizer (as `load_tokenizer` loads it) into `directory`."""
+def save_tokenizer(origin: Path, directory: Path) -> None:
+    """Write the tokenizer of `origin` (a GGUF file or a checkpoint directory), as
+    `load_tokenizer` loads it, into `directory`."""
     from app.text.tokenizer import load_tokenizer
 
-    load_tokenizer(ModelSource(str(gguf), gguf.parent, gguf.name)).save_pretrained(directory)
+    if origin.is_dir():
+        source = ModelSource(str(origin), origin)
+    else:
+        source = ModelSource(str(origin), origin.parent, origin.name)
+    load_tokenizer(source).save_pretrained(directory)
 
 
-def _convert_in_child(name: str, gguf: Path, directory: Path) -> None:
+def _convert_in_child(name: str, origin: Path, directory: Path) -> None:
     code = (
         "import sys; from pathlib import Path; "
-        "from app.text.light_tokenizer import save_gguf_tokenizer; "
-        "save_gguf_tokenizer(Path(sys.argv[1]), Path(sys.argv[2]))"
+        "from app.text.light_tokenizer import save_tokenizer; "
+        "save_tokenizer(Path(sys.argv[1]), Path(sys.argv[2]))"
     )
     # The package's own root first, so the child imports this very code.
     root = str(Path(app.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     try:
         result = subprocess.run(
-            [sys.executable, "-c", code, str(gguf), str(directory)],
+            [sys.executable, "-c", code, str(origin), str(directory)],
             env=env,
             capture_output=True,
             text=True,
             timeout=CONVERT_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as exc:
-        raise ModelLoadError(name, "converting its GGUF tokenizer timed out") from exc
+        raise ModelLoadError(name, "converting its tokenizer timed out") from exc
     if result.returncode != 0:
         tail = result.stderr.strip().splitlines()[-1:] or ["no output"]
-        raise ModelLoadError(name, f"cannot convert its GGUF tokenizer: {tail[0]}")
+        raise ModelLoadError(name, f"cannot convert its tokenizer: {tail[0]}")
 
 
-def _key(gguf: Path) -> str:
-    """The file (path, size, modification time) and the transformers that converts it."""
+def _key(origin: Path) -> str:
+    """The origin (path, and size and modification time of the file or of the
+    directory's tokenizer files) and the libraries that convert and load it."""
     from importlib.metadata import version
 
-    stat = gguf.stat()
-    text = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}\0{version('transformers')}"
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    files = (
+        [origin]
+        if origin.is_file()
+        else sorted(origin.glob("tokenizer*")) + sorted(origin.glob("special_tokens_map.json"))
+    )
+    parts = [str(origin), version("transformers"), version("tokenizers")]
+    for path in files:
+        stat = path.stat()
+        parts += [path.name, str(stat.st_size), str(stat.st_mtime_ns)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]

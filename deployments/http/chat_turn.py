@@ -85,11 +85,11 @@ class PreparedTurn:
 async def prepare(ingress: Ingress, turn: ChatTurn) -> PreparedTurn:
     """Render the turn and decide its output's constraint (see the module's docstring)."""
     args = turn.template_args
-    ids = await ingress.encode_chat(turn.model, turn.messages, turn.tools, turn.ending, args)
     fmt = ingress.tool_format(turn.model, args) if turn.tools else None
     constraint = turn.constraint
     if fmt is not None and (turn.forces_call or constraint is None):
-        constraint = turn.tool_constraint(fmt)
+        constraint = turn.tool_constraint(fmt)  # first: tools too many to constrain cost no render
+    ids = await ingress.encode_chat(turn.model, turn.messages, turn.tools, turn.ending, args)
     reasoning = ingress.reasoning(turn.model, ids, args)
     if reasoning is not None and constraint is not None:
         constraint = thinking_first(reasoning, constraint)

@@ -1,5 +1,6 @@
 """The Serve application graph as built from typed args (no Ray started)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,34 @@ def test_one_database_setting_and_its_older_spelling():
         AppConfig.model_validate(
             {"database": {"url": "sqlite://"}, "assistants": {"database_url": "sqlite://"}}
         )
+
+
+def test_quiet_ray_defaults_fill_only_what_is_unset(monkeypatch):
+    """What `serve run app:graph` gives the Ray it starts: the quieter timers, never over
+    a value the user set, and nothing once this process is connected to a Ray."""
+    import ray
+
+    from deployments.quiet_ray import QUIET_DEFAULTS, quiet_ray_defaults
+
+    for name in QUIET_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    chosen = quiet_ray_defaults()
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in chosen
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
+    assert chosen == {
+        k: v for k, v in QUIET_DEFAULTS.items() if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    }
+    assert all(os.environ[k] == v for k, v in chosen.items())
+    for name in chosen:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert quiet_ray_defaults() == {} and not any(k in os.environ for k in chosen)
+
+
+def test_the_conftest_lists_every_quiet_timer():
+    """tests/conftest.py restores these after each test: it must know them all."""
+    from deployments.quiet_ray import QUIET_DEFAULTS
+    from tests.conftest import _QUIET
+
+    assert set(_QUIET) == set(QUIET_DEFAULTS)

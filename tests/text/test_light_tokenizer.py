@@ -71,6 +71,25 @@ def test_a_checkpoint_directory_loads_its_tokenizer_json(cache, tmp_path, defaul
     assert_same_tokenizer(load_light_tokenizer(source), load_tokenizer(source))
 
 
+def test_a_checkpoint_whose_tokenizer_class_rebuilds_it_is_converted(cache, tmp_path):
+    """A sentencepiece-style tokenizer.json under a tokenizer_config naming LlamaTokenizer:
+    transformers rebuilds the pipeline from the vocabulary (its own pre-tokenizer and
+    decoder) rather than load the file as written; the light tokenizer is that one too."""
+    import json
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "llama")
+    gguf = write_gguf(checkpoint, tmp_path / "llama.gguf")
+    load_tokenizer(ModelSource("llama", gguf.parent, gguf.name)).save_pretrained(tmp_path / "hf")
+    config_file = tmp_path / "hf" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    source = ModelSource("llama-class", tmp_path / "hf")
+    light, full = load_light_tokenizer(source), load_tokenizer(source)
+    assert type(full).__name__ == "LlamaTokenizer"  # the case this is about
+    assert_same_tokenizer(light, full)
+    assert len(list((cache / "tokenizers").iterdir())) == 1  # converted, kept
+
+
 def test_the_configured_template_replaces_the_models_own(cache, tmp_path, default_full):
     default_full.save_pretrained(tmp_path / "hf")  # no conversion needed for this one
     light = load_light_tokenizer(ModelSource("hf", tmp_path / "hf"), "{{ messages[0].content }}")
