@@ -43,13 +43,13 @@ run)
   # SIGINT at a deadline: pytest still prints its summary of what ran (-n: the image
   # has pytest-xdist)
   timeout -s INT -k 10 "${TRITON_S:-60}" python3 -m pytest tests/models/test_triton_attention.py \
-    tests/engine/test_decode_graphs.py -q -p no:cacheprovider --timeout 50 -rfEs --tb=short \
+    tests/engine/test_decode_graphs.py tests/engine/test_decode_graphs_cuda.py -q -p no:cacheprovider --timeout 50 -rfEs --tb=short \
     >"$out/triton.log" 2>&1
   triton=$?
   tail -n 25 "$out/triton.log" | cut -c1-240
   timeout -s INT -k 10 "${TEST_S:-160}" python3 -m pytest tests/models tests/engine -q \
     -p no:cacheprovider -n 8 --continue-on-collection-errors --timeout 120 -rfE --tb=line \
-    --ignore=tests/models/test_triton_attention.py --ignore=tests/engine/test_decode_graphs.py \
+    --ignore=tests/models/test_triton_attention.py --ignore=tests/engine/test_decode_graphs.py --ignore=tests/engine/test_decode_graphs_cuda.py \
     >"$out/tests.log" 2>&1
   tests=$?
   grep -E "^(FAILED|ERROR) |passed|failed" "$out/tests.log" | cut -c1-240
