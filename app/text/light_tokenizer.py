@@ -13,6 +13,7 @@ deployment has. A process without torch this way stays hundreds of MiB lighter.
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import app
 from app.models.source import ModelSource
 from app.protocol.errors import ModelLoadError
+from app.text.tokenizer import load_tokenizer, loaded_tokenizer
 
 CONVERT_TIMEOUT_S = 300
 # Tokenizer classes that load a checkpoint's tokenizer.json as written.
@@ -39,18 +41,11 @@ def load_light_tokenizer(source: ModelSource, chat_template: str | None = None) 
     `load_tokenizer` loads it."""
     directory = _as_written(source) or _converted(source)
     if not (directory / "tokenizer.json").is_file():
-        from app.text.tokenizer import load_tokenizer
-
         return load_tokenizer(source, chat_template)
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    try:
-        tokenizer = TokenizersBackend.from_pretrained(str(directory))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(source.name, f"cannot load its tokenizer: {exc}") from exc
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
+    load = functools.partial(TokenizersBackend.from_pretrained, str(directory))
+    return loaded_tokenizer(source.name, load, chat_template)
 
 
 def _as_written(source: ModelSource) -> Path | None:
@@ -117,8 +112,6 @@ def _converted(source: ModelSource) -> Path:
 def save_tokenizer(origin: Path, directory: Path) -> None:
     """Write the tokenizer of `origin` (a GGUF file or a checkpoint directory), as
     `load_tokenizer` loads it, into `directory`."""
-    from app.text.tokenizer import load_tokenizer
-
     if origin.is_dir():
         source = ModelSource(str(origin), origin)
     else:

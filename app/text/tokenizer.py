@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
@@ -19,15 +20,21 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any
     its own template."""
     from transformers import AutoTokenizer
 
+    gguf = {"gguf_file": source.gguf_file} if source.is_gguf else {}
+    return loaded_tokenizer(
+        source.name,
+        lambda: AutoTokenizer.from_pretrained(str(source.directory), **gguf),
+        chat_template,
+    )
+
+
+def loaded_tokenizer(name: str, load: Callable[[], Any], chat_template: str | None) -> Any:
+    """`load()`'s tokenizer (its failure a ModelLoadError), under `chat_template` when
+    the model's config overrides its own."""
     try:
-        if source.is_gguf:
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(source.directory), gguf_file=source.gguf_file
-            )
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
+        tokenizer = load()
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(source.name, f"cannot load its tokenizer: {exc}") from exc
+        raise ModelLoadError(name, f"cannot load its tokenizer: {exc}") from exc
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
