@@ -112,8 +112,10 @@ def smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from app.models.gguf_reader import quick_gguf_reads
     from app.models.source import default_model_path
 
+    quick_gguf_reads()  # the same fields, faster (tests/models/test_gguf_reader.py)
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32

@@ -11,6 +11,7 @@ from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.families import read_arch_config
+from app.models.gguf_reader import quick_gguf_reads
 from app.models.parallel import TPGroup, check_divisible
 from app.models.quant.fused_decode import fuse_decode_layers
 from app.models.quantized_model import (
@@ -44,6 +45,7 @@ def load_hf_config(source: ModelSource) -> Any:
 
     try:
         if source.is_gguf:
+            quick_gguf_reads()
             config = AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
             return patch_gguf_config(config, source)  # what transformers' reader loses
         return AutoConfig.from_pretrained(str(source.directory))

@@ -21,6 +21,10 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any
     from transformers import AutoTokenizer
 
     gguf = {"gguf_file": source.gguf_file} if source.is_gguf else {}
+    if source.is_gguf:
+        from app.models.gguf_reader import quick_gguf_reads
+
+        quick_gguf_reads()
     return loaded_tokenizer(
         source.name,
         lambda: AutoTokenizer.from_pretrained(str(source.directory), **gguf),

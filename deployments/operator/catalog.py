@@ -23,9 +23,9 @@ def parameter_count(path: Path) -> int:
     """Parameters in a GGUF file or a directory of safetensors files (0 if unreadable)."""
     try:
         if path.is_file() and path.suffix == ".gguf":
-            from gguf import GGUFReader
+            from app.models.gguf_reader import QuickGGUFReader
 
-            return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+            return sum(int(t.n_elements) for t in QuickGGUFReader(str(path)).tensors)
         total = 0
         for file in sorted(path.glob("*.safetensors")):
             with file.open("rb") as f:
