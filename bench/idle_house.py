@@ -22,8 +22,14 @@ stops what it started: SIGINT to `serve run` (Ctrl-C: Serve shuts the app down),
 SIGTERM, then `ray stop --force` only if processes of the Ray it started remain and no
 other Ray has appeared meanwhile (else those processes alone, by pid).
 
-The last line printed is a JSON object:
-{"processes", "pss_gib", "libtorch_processes", "idle_cpu_pct_of_core", ...}.
+Then the peer, measured the same way in the same run: Ray Serve's own floor, a
+one-deployment app that answers "hello" (`serve run hello:app`, Ray's defaults), so the
+app's idle cost reads against what any Ray Serve app costs on this machine (`--no-peer`
+skips it).
+
+The last line printed is a JSON object: {"processes", "pss_gib", "libtorch_processes",
+"idle_cpu_pct_of_core", "serve_hello_idle_cpu_pct_of_core", "idle_ratio_vs_serve_hello",
+...}.
 
     cd <repo root> && .venv/bin/python bench/idle_house.py
 """
@@ -32,125 +38,38 @@ import argparse
 import contextlib
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.ray_processes import (  # noqa: E402
+    app_processes,
+    measure,
+    port_taken,
+    ray_daemons,
+    session_of,
+    stop,
+)
+
 URL = "http://127.0.0.1:8000"
-RAY_DAEMONS = ("raylet", "gcs_server")
-METHOD = re.compile(r"\.[a-z_][a-z0-9_]*$")
-SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
+HELLO = """from ray import serve
 
 
-def ray_daemons(exclude: set[int] = frozenset()) -> list[psutil.Process]:
-    """Ray's raylets and GCS servers running on this machine (not in `exclude`)."""
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        try:
-            name = proc.info["name"] or ""
-            argv0 = (proc.info["cmdline"] or [""])[0]
-            if proc.pid not in exclude and (
-                name in RAY_DAEMONS or any(argv0.endswith("/" + d) for d in RAY_DAEMONS)
-            ):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class Hello:
+    def __call__(self, request):
+        return "hello"
 
 
-def port_taken(port: int) -> bool:
-    try:
-        return any(
-            c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-            for c in psutil.net_connections("tcp")
-        )
-    except psutil.Error:
-        return False
-
-
-def title(proc: psutil.Process) -> str:
-    """A process's title: Ray workers set theirs (ray::ServeReplica:default:Ingress)."""
-    try:
-        cmd = proc.cmdline()
-    except psutil.Error:
-        return "?"
-    if not cmd:
-        return proc.name()
-    first = cmd[0]
-    if first.startswith("ray::"):
-        # The title ends with the method running, if any (ray::ServeController.listen_for_change)
-        return METHOD.sub("", first.split(" ")[0])
-    words = [Path(cmd[0]).name, *cmd[1:]]
-    if Path(cmd[0]).name.startswith("python") and len(cmd) > 1:
-        words = words[1:]
-        if words[0] == "-c" and len(words) > 1:
-            words = ["-c", words[1][:40]]
-        elif words[0] == "-m" and len(words) > 1:
-            words = ["-m", words[1]]
-        else:
-            words[0] = Path(words[0]).name if "/" in words[0] else words[0]
-    return " ".join(words)[:70]
-
-
-def app_processes(root: psutil.Process, session: str | None) -> dict[int, psutil.Process]:
-    """`root`'s process tree and every process of the Ray session `session`."""
-    procs = {root.pid: root}
-    with contextlib.suppress(psutil.Error):
-        procs.update({p.pid: p for p in root.children(recursive=True)})
-    if session:
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if proc.pid not in procs and session in " ".join(proc.info["cmdline"] or []):
-                    procs[proc.pid] = proc
-                    procs.update({p.pid: p for p in proc.children(recursive=True)})
-            except psutil.Error:
-                continue
-    return procs
-
-
-def session_of(procs: dict[int, psutil.Process]) -> str | None:
-    for proc in procs.values():
-        try:
-            match = SESSION.search(" ".join(proc.cmdline()))
-        except psutil.Error:
-            continue
-        if match:
-            return match.group(0)
-    return None
-
-
-def maps_libtorch(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return "libtorch_cpu.so" in f.read()
-    except OSError:
-        return False
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return times.user + times.system
-
-
-def label(proc: psutil.Process, procs: dict[int, psutil.Process]) -> str:
-    """The title, and for a child of a Ray worker (the engine process) its parent's."""
-    name = title(proc)
-    try:
-        parent = proc.ppid()
-    except psutil.Error:
-        return name
-    if not name.startswith("ray::") and parent in procs:
-        parent_title = title(procs[parent])
-        if parent_title.startswith("ray::"):
-            return f"{name} (child of {parent_title})"
-    return name
+app = Hello.bind()
+"""
 
 
 def wait_ready(server: subprocess.Popen, model: str, timeout_s: float, log: Path) -> float:
@@ -189,74 +108,66 @@ def wait_ready(server: subprocess.Popen, model: str, timeout_s: float, log: Path
             time.sleep(3)
 
 
-def measure(root: psutil.Process, window_s: float) -> dict:
-    session = session_of(app_processes(root, None))
-    before = app_processes(root, session)
-    start_cpu: dict[int, tuple[float, float]] = {}
-    for pid, proc in before.items():
-        try:
-            start_cpu[pid] = (proc.create_time(), cpu_seconds(proc))
-        except psutil.Error:
-            continue
-    time.sleep(window_s)
-    after = app_processes(root, session)
-    rows = []
-    total_cpu = 0.0
-    for pid, proc in after.items():
-        try:
-            created, cpu = proc.create_time(), cpu_seconds(proc)
-            pss = proc.memory_full_info().pss
-        except psutil.Error:
-            continue
-        was = start_cpu.get(pid)
-        spent = cpu - was[1] if was and was[0] == created else cpu  # new during the window
-        total_cpu += spent
-        rows.append(
-            {
-                "pid": pid,
-                "name": label(proc, after),
-                "pss_mib": pss / 2**20,
-                "cpu_s": spent,
-                "libtorch": maps_libtorch(pid),
-            }
-        )
-    gone = sorted(set(start_cpu) - set(after))
-    rows.sort(key=lambda r: -r["pss_mib"])
-    return {"session": session, "rows": rows, "cpu_s": total_cpu, "gone": gone}
-
-
-def stop(server: subprocess.Popen, ours: dict[int, psutil.Process]) -> None:
-    """SIGINT (Ctrl-C), SIGTERM, then `ray stop --force` or our leftover pids."""
-    for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGTERM, 20)):
-        if server.poll() is None:
-            server.send_signal(sig)
-            try:
-                server.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-    if server.poll() is None:
-        server.kill()
-        server.wait()
-    deadline = time.monotonic() + 15
-    left = []
-    while time.monotonic() < deadline:
-        left = [p for p in ours.values() if p.pid != server.pid and p.is_running()]
-        if not left:
-            return
+def hello_ready(server: subprocess.Popen, timeout_s: float, log: Path) -> float:
+    start = time.monotonic()
+    while time.monotonic() < start + timeout_s and server.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(URL, timeout=5).text == "hello":
+                return time.monotonic() - start
         time.sleep(1)
-    others = ray_daemons(exclude=set(ours))
-    if others:
-        print(
-            f"another Ray started meanwhile ({[p.pid for p in others]}): not running "
-            f"`ray stop`; ending this app's {len(left)} leftover processes by pid"
+    raise SystemExit(f"the hello app did not answer; see {log}")
+
+
+def run_idle(target: str, cwd: Path, ready: Callable[..., float], args: argparse.Namespace) -> dict:
+    """`serve run <target>` in `cwd`: started, made ready, settled, measured, stopped."""
+    serve = Path(sys.executable).with_name("serve")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Ray's workers import the app from this directory (not an editable install's).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH")]))
+    log = Path(tempfile.mkstemp(prefix="idle_house-", suffix=".log")[1])
+    print(f"serve run {target} in {cwd} (log: {log})", flush=True)
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [str(serve), "run", target],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        for proc in left:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        return
-    print(f"{len(left)} processes of the Ray this bench started remain: ray stop --force")
-    ray = Path(sys.executable).with_name("ray")
-    subprocess.run([str(ray), "stop", "--force"], check=False, timeout=120)
+    root = psutil.Process(server.pid)
+    ours: dict[int, psutil.Process] = {}
+    try:
+        ready_s = ready(server, args.timeout, log)
+        print(f"ready after {ready_s:.0f} s; settling {args.settle:.0f} s", flush=True)
+        time.sleep(args.settle)
+        ours = app_processes(root, session_of(app_processes(root, None)))
+        print(f"measuring {args.window:.0f} s of idle", flush=True)
+        result = measure(root, args.window)
+        ours.update(app_processes(root, result["session"]))
+    finally:
+        ours.update(app_processes(root, session_of(ours) if ours else None))
+        stop(server, ours)
+    return result
+
+
+def report(result: dict, window_s: float) -> dict:
+    rows = result["rows"]
+    print(f"\n{'pid':>7} {'PSS MiB':>8} {'CPU s':>7} {'%core':>6} torch  process")
+    for r in rows:
+        pct = 100 * r["cpu_s"] / window_s
+        torch = "yes" if r["libtorch"] else ""
+        print(
+            f"{r['pid']:>7} {r['pss_mib']:>8.1f} {r['cpu_s']:>7.2f} {pct:>6.2f} {torch:<5}  {r['name']}"
+        )
+    if result["gone"]:
+        print(f"(exited during the window, not counted: {result['gone']})")
+    print(f"total: {100 * result['cpu_s'] / window_s:.2f} % of a core\n", flush=True)
+    return {
+        "processes": len(rows),
+        "pss_gib": round(sum(r["pss_mib"] for r in rows) / 1024, 2),
+        "idle_cpu_pct_of_core": round(100 * result["cpu_s"] / window_s, 2),
+    }
 
 
 def main() -> None:
@@ -265,6 +176,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=60.0, help="idle seconds measured")
     parser.add_argument("--timeout", type=float, default=1200.0, help="start-up limit, s")
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--no-peer", action="store_true", help="skip the hello app")
     args = parser.parse_args()
 
     root_dir = Path.cwd()
@@ -281,58 +193,30 @@ def main() -> None:
     if port_taken(8000):
         raise SystemExit("port 8000 is taken: refusing")
 
-    serve = Path(sys.executable).with_name("serve")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # Ray's workers import the app from this directory (not an editable install's).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root_dir), env.get("PYTHONPATH")]))
-    log = Path(tempfile.mkstemp(prefix="idle_house-", suffix=".log")[1])
-    print(f"serve run app:graph in {root_dir} (log: {log})", flush=True)
-    with open(log, "wb") as out:
-        server = subprocess.Popen(
-            [str(serve), "run", "app:graph"],
-            cwd=root_dir,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    root = psutil.Process(server.pid)
-    ours: dict[int, psutil.Process] = {}
-    try:
-        ready_s = wait_ready(server, args.model, args.timeout, log)
-        print(f"healthy and warm after {ready_s:.0f} s; settling {args.settle:.0f} s", flush=True)
-        time.sleep(args.settle)
-        ours = app_processes(root, session_of(app_processes(root, None)))
-        print(f"measuring {args.window:.0f} s of idle", flush=True)
-        result = measure(root, args.window)
-        ours.update(app_processes(root, result["session"]))
-    finally:
-        ours.update(app_processes(root, session_of(ours) if ours else None))
-        stop(server, ours)
+    def shoal_ready(server: subprocess.Popen, timeout_s: float, log: Path) -> float:
+        return wait_ready(server, args.model, timeout_s, log)
 
+    result = run_idle("app:graph", root_dir, shoal_ready, args)
+    summary = report(result, args.window)
     rows = result["rows"]
-    print(f"\n{'pid':>7} {'PSS MiB':>8} {'CPU s':>7} {'%core':>6} torch  process")
-    for r in rows:
-        pct = 100 * r["cpu_s"] / args.window
-        torch = "yes" if r["libtorch"] else ""
-        print(
-            f"{r['pid']:>7} {r['pss_mib']:>8.1f} {r['cpu_s']:>7.2f} {pct:>6.2f} {torch:<5}  {r['name']}"
-        )
-    if result["gone"]:
-        print(f"(exited during the window, not counted: {result['gone']})")
     busiest = sorted(rows, key=lambda r: -r["cpu_s"])[:8]
-    summary = {
-        "processes": len(rows),
-        "pss_gib": round(sum(r["pss_mib"] for r in rows) / 1024, 2),
-        "libtorch_processes": sorted(r["name"] for r in rows if r["libtorch"]),
-        "idle_cpu_pct_of_core": round(100 * result["cpu_s"] / args.window, 2),
-        "idle_cpu_s": round(result["cpu_s"], 2),
-        "window_s": args.window,
-        "busiest": {
-            f"{r['name']} [{r['pid']}]": round(100 * r["cpu_s"] / args.window, 2) for r in busiest
-        },
-        "repo": str(root_dir),
+    summary["libtorch_processes"] = sorted(r["name"] for r in rows if r["libtorch"])
+    summary["idle_cpu_s"] = round(result["cpu_s"], 2)
+    summary["window_s"] = args.window
+    summary["busiest"] = {
+        f"{r['name']} [{r['pid']}]": round(100 * r["cpu_s"] / args.window, 2) for r in busiest
     }
+    if not args.no_peer:
+        with tempfile.TemporaryDirectory(prefix="serve-hello-") as hello_dir:
+            (Path(hello_dir) / "hello.py").write_text(HELLO)
+            peer = report(run_idle("hello:app", Path(hello_dir), hello_ready, args), args.window)
+        summary["serve_hello_processes"] = peer["processes"]
+        summary["serve_hello_pss_gib"] = peer["pss_gib"]
+        summary["serve_hello_idle_cpu_pct_of_core"] = peer["idle_cpu_pct_of_core"]
+        summary["idle_ratio_vs_serve_hello"] = round(
+            summary["idle_cpu_pct_of_core"] / max(peer["idle_cpu_pct_of_core"], 1e-9), 2
+        )
+    summary["repo"] = str(root_dir)
     print(json.dumps(summary))
 
 

@@ -42,8 +42,10 @@ def _no_quiet_ray_left_behind():  # noqa: ANN202
 
 
 # Two tiers. `live` marks every test that starts Ray or a server: the live app and Ray
-# clusters (tests/serve, tests/cluster), PostgreSQL, the fixture Hub. `pytest -m "not
-# live"` runs the rest, in-process over the real model: the everyday command.
+# clusters (tests/serve, tests/cluster), PostgreSQL, the fixture Hub, and the engine in
+# processes of its own (an EngineProcess, tensor-parallel shards: marked in their
+# modules). `pytest -m "not live"` runs the rest, in-process over the real model: the
+# everyday command.
 LIVE_FOLDERS = {"serve", "cluster"}
 LIVE_FIXTURES = {"serve_app", "base_url", "hub", "postgres_url"}
 
@@ -107,8 +109,24 @@ def smollm2_engine():
 
 
 @pytest.fixture(scope="session")
+def smollm2_quantized():
+    """The default GGUF as it is served on a CPU: quantized (int8 activations). Modules
+    build their engines over its weights (`LLMEngine(config, loaded=...)`): a load takes
+    seconds, an engine over loaded weights none."""
+    from app.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(
+        EngineConfig(device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
+    )
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' own model on the same GGUF weights, float32."""
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -117,9 +135,13 @@ def smollm2_hf():
 
     quick_gguf_reads()  # the same fields, faster (tests/models/test_gguf_reader.py)
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    # transformers builds gguf's name map afresh for each of the model's 397 modules
+    # (3 s); the map of an architecture and layer count is always the same.
+    name_map = functools.lru_cache(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "get_tensor_name_map", name_map):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return model.eval()
 
 

@@ -6,10 +6,11 @@ tokens; transformers' TokenizersBackend does that over a `tokenizer.json` withou
 importing torch, but `AutoTokenizer` imports torch (through its config classes)
 whenever torch is installed, and so does reading a GGUF's vocabulary. So a GGUF's
 tokenizer, or a checkpoint's whose tokenizer class rebuilds the pipeline from its
-vocabulary (LlamaTokenizer and the like), is loaded once by transformers itself (as
-`load_tokenizer` loads it), in a child process when this one has no torch, and saved
-in the cache; every later start loads those files: the same tokenizer the Tokenizer
-deployment has. A process without torch this way stays hundreds of MiB lighter.
+vocabulary (LlamaTokenizer and the like), is loaded once by transformers itself, in a
+child process when this one has no torch, and saved in the cache; every later start
+loads those files. `load_tokenizer` loads a GGUF's this way too, so the Tokenizer
+deployment and the ingress hold the same tokenizer. A process without torch this way
+stays hundreds of MiB lighter.
 """
 
 import contextlib
@@ -27,7 +28,7 @@ from typing import Any
 import app
 from app.models.source import ModelSource
 from app.protocol.errors import ModelLoadError
-from app.text.tokenizer import load_tokenizer, loaded_tokenizer
+from app.text.transformers_tokenizer import load_transformers_tokenizer, loaded_tokenizer
 
 CONVERT_TIMEOUT_S = 300
 # Tokenizer classes that load a checkpoint's tokenizer.json as written.
@@ -38,10 +39,10 @@ def load_light_tokenizer(source: ModelSource, chat_template: str | None = None) 
     """The model's tokenizer for decoding, its chat template and special tokens, without
     torch; `chat_template` (the model's configured override) replaces its own. A
     checkpoint with no `tokenizer.json` (a sentencepiece-only one) loads as
-    `load_tokenizer` loads it."""
+    transformers loads it."""
     directory = _as_written(source) or _converted(source)
     if not (directory / "tokenizer.json").is_file():
-        return load_tokenizer(source, chat_template)
+        return load_transformers_tokenizer(source, chat_template)
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     load = functools.partial(TokenizersBackend.from_pretrained, str(directory))
@@ -111,12 +112,12 @@ def _converted(source: ModelSource) -> Path:
 
 def save_tokenizer(origin: Path, directory: Path) -> None:
     """Write the tokenizer of `origin` (a GGUF file or a checkpoint directory), as
-    `load_tokenizer` loads it, into `directory`."""
+    transformers loads it, into `directory`."""
     if origin.is_dir():
         source = ModelSource(str(origin), origin)
     else:
         source = ModelSource(str(origin), origin.parent, origin.name)
-    load_tokenizer(source).save_pretrained(directory)
+    load_transformers_tokenizer(source).save_pretrained(directory)
 
 
 def _convert_in_child(name: str, origin: Path, directory: Path) -> None:

@@ -48,11 +48,11 @@ def _static_twin(engine: LLMEngine, **overrides) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def quantized_engine() -> LLMEngine:
+def quantized_engine(smollm2_quantized) -> LLMEngine:
     """The default GGUF, quantized: its forward is batch-invariant (int8 activations,
     attention a token at a time), so padding rows may change no bit of a real row."""
     config = EngineConfig(device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
-    return LLMEngine(config)
+    return LLMEngine(config, loaded=smollm2_quantized.loaded)
 
 
 def test_static_decode_gives_the_plain_paths_bits(quantized_engine):
@@ -106,7 +106,7 @@ def test_padding_rows_point_at_the_scratch_block(quantized_engine):
 
 
 @pytest.fixture(scope="module")
-def float_engine() -> LLMEngine:
+def float_engine(smollm2_engine) -> LLMEngine:
     """The default model dequantized to float32: plain nn.Linear layers and the torch
     backend's C++ kernels, the layers a GPU graph holds."""
     config = EngineConfig(
@@ -116,7 +116,7 @@ def float_engine() -> LLMEngine:
         num_threads=2,
         kv_cache_memory_gib=0.1,
     )
-    return LLMEngine(config)
+    return LLMEngine(config, loaded=smollm2_engine.loaded)
 
 
 def test_static_decode_of_float_layers(float_engine):

@@ -15,6 +15,9 @@ from app.protocol.errors import ShoalError
 from app.protocol.messages import EngineRequest
 from tests.helpers import tiny_config, tiny_engine
 
+# The engine runs in processes of its own here: the live tier (tests/conftest.py).
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture(scope="module")
 def engine_process(tiny_llama):

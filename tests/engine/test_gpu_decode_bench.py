@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +19,7 @@ def test_engine_imports_and_runs_without_ray():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
+@pytest.mark.live  # the benchmark and its engine run in a process of their own
 def test_gpu_decode_bench_runs_on_cpu():
     out = subprocess.run(
         [

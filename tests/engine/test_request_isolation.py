@@ -84,6 +84,7 @@ def test_a_failed_forward_ends_its_batch_and_the_engine_carries_on(tiny_llama, m
     assert len(engine.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 8
 
 
+@pytest.mark.live  # an engine process
 def test_the_error_reaches_only_its_stream_through_the_engine_process(tiny_llama):
     proc = EngineProcess(tiny_config(tiny_llama))
 

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.live  # the benchmark and its engine run in a process of their own
 def test_step_overhead_bench_runs():
     out = subprocess.run(
         [sys.executable, "bench/step_overhead.py", "--seqs=1,4", "--steps=10", "--temperature=0.7"],

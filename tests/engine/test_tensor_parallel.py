@@ -22,6 +22,9 @@ from app.protocol.errors import ShoalError
 from app.protocol.messages import EngineRequest
 from tests.helpers import free_local_address, spawn_local_shards, stop_local_shards, tiny_config
 
+# The engine runs in processes of its own here: the live tier (tests/conftest.py).
+pytestmark = pytest.mark.live
+
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 45))]
 
 

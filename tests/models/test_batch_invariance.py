@@ -23,9 +23,9 @@ def kv_cache_dtype(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines(kv_cache_dtype: str):
+def engines(kv_cache_dtype: str, smollm2_quantized):
     """Engines of one config but the overrides, over one copy of the weights."""
-    loaded = None
+    loaded = smollm2_quantized.loaded
 
     def make(**overrides) -> LLMEngine:
         nonlocal loaded

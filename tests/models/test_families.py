@@ -110,6 +110,7 @@ def _record_routing(engine) -> set[int] | None:
     return used
 
 
+@pytest.mark.live  # shard processes
 @pytest.mark.parametrize("name", ["qwen2-moe", "phi4-mini", "gemma2"])
 def test_tensor_parallel_matches_one_shard(name, tmp_path):
     """Two shards: heads, the MLPs' and every expert's intermediate dimension split; the

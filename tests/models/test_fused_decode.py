@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=
 
 
 @pytest.fixture(scope="module")
-def default_engine() -> LLMEngine:
+def default_engine(smollm2_quantized) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             device="cpu",  # the fused layers are the CPU path, also on a GPU host
@@ -36,7 +36,8 @@ def default_engine() -> LLMEngine:
             num_threads=2,
             kv_cache_memory_gib=0.1,
             enable_prefix_caching=False,
-        )
+        ),
+        loaded=smollm2_quantized.loaded,
     )
 
 

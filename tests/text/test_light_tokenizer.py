@@ -1,4 +1,5 @@
-"""The ingress's torch-free tokenizer decodes as transformers' own does, and loads
+"""The ingress's torch-free tokenizer (also the Tokenizer deployment's for a GGUF, through
+`load_tokenizer`) encodes, decodes and renders as transformers' own does, and loads
 without torch once its GGUF was converted (by a child process when the caller has none)."""
 
 import random
@@ -11,6 +12,7 @@ import pytest
 from app.models.source import ModelSource, resolve_model
 from app.text.light_tokenizer import load_light_tokenizer
 from app.text.tokenizer import load_tokenizer
+from app.text.transformers_tokenizer import load_transformers_tokenizer
 from tests.helpers import save_tiny_checkpoint
 from tests.models.gguf_writer import write_gguf
 
@@ -27,7 +29,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="module")
 def default_full():  # noqa: ANN201
     """transformers' own tokenizer of the default GGUF (read once: it parses the file)."""
-    return load_tokenizer(resolve_model("default"))
+    return load_transformers_tokenizer(resolve_model("default"))
 
 
 def assert_same_tokenizer(light, full) -> None:
@@ -49,6 +51,21 @@ def assert_same_tokenizer(light, full) -> None:
             )
     ids = full(TEXT, add_special_tokens=False).input_ids
     assert light.decode(ids) == full.decode(ids)
+    words = sorted(set(full.get_vocab()) - set(full.all_special_tokens))
+    texts = [TEXT, "", " lead", "\t\ttabs  and   spaces ", "émoji 🤖"]
+    texts += ["".join(rng.choice(words) for _ in range(rng.randrange(1, 12))) for _ in range(60)]
+    for text in texts:
+        for special in (True, False):
+            assert (
+                light(text, add_special_tokens=special).input_ids
+                == full(text, add_special_tokens=special).input_ids
+            )
+    if full.chat_template is not None:
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+        for prompt in (True, False):
+            assert light.apply_chat_template(
+                chat, tokenize=True, add_generation_prompt=prompt
+            ) == full.apply_chat_template(chat, tokenize=True, add_generation_prompt=prompt)
 
 
 def test_the_default_gguf_decodes_as_transformers_does(cache, default_full):
@@ -56,13 +73,15 @@ def test_the_default_gguf_decodes_as_transformers_does(cache, default_full):
     assert_same_tokenizer(light, full)
     assert light.decode(full(TEXT, add_special_tokens=False).input_ids) == TEXT
     assert len(list((cache / "tokenizers").iterdir())) == 1  # converted once, kept
+    kept = load_tokenizer(resolve_model("default"))  # the Tokenizer deployment's
+    assert type(kept) is type(full) and kept.name_or_path == light.name_or_path
 
 
 def test_a_sentencepiece_gguf_decodes_as_transformers_does(cache, tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "llama")
     gguf = write_gguf(checkpoint, tmp_path / "llama.gguf")
     source = ModelSource("llama", gguf.parent, gguf.name)
-    assert_same_tokenizer(load_light_tokenizer(source), load_tokenizer(source))
+    assert_same_tokenizer(load_light_tokenizer(source), load_transformers_tokenizer(source))
 
 
 def test_a_checkpoint_directory_loads_its_tokenizer_json(cache, tmp_path, default_full):
@@ -79,7 +98,8 @@ def test_a_checkpoint_whose_tokenizer_class_rebuilds_it_is_converted(cache, tmp_
 
     checkpoint = save_tiny_checkpoint(tmp_path / "llama")
     gguf = write_gguf(checkpoint, tmp_path / "llama.gguf")
-    load_tokenizer(ModelSource("llama", gguf.parent, gguf.name)).save_pretrained(tmp_path / "hf")
+    source = ModelSource("llama", gguf.parent, gguf.name)
+    load_transformers_tokenizer(source).save_pretrained(tmp_path / "hf")
     config_file = tmp_path / "hf" / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
