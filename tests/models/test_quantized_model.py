@@ -41,7 +41,7 @@ def _assert_close(ours: list, reference: list, tol: float) -> None:
             assert abs(x.logprob - y.logprob) < tol
 
 
-def test_default_gguf_served_from_its_blocks():
+def test_default_gguf_served_from_its_blocks(smollm2_engine):
     settings = dict(device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
     quantized = LLMEngine(EngineConfig(quantization="gguf", **settings))
     model = quantized.loaded.model
@@ -51,7 +51,8 @@ def test_default_gguf_served_from_its_blocks():
     file_bytes = os.path.getsize(default_model_path())
     held = quantized_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters())
     assert abs(held - file_bytes) / file_bytes < 0.10
-    dense = LLMEngine(EngineConfig(quantization="none", **settings))
+    # the same file dequantized: the session's float engine's weights
+    dense = LLMEngine(EngineConfig(quantization="none", **settings), loaded=smollm2_engine.loaded)
     reference = _run(dense)
     _assert_close(_run(quantized), reference, 1e-3)
     # the kernels' default, x rounded to int8 per block as llama.cpp does: the same greedy
