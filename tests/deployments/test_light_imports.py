@@ -1,4 +1,5 @@
-"""The Ingress, EngineRegistry, Operator and `serve run` driver import no torch.
+"""The Ingress, EngineRegistry, Operator and `serve run` driver import no torch, nor does
+the Tokenizer of a GGUF model.
 
 Their modules (and every module the driver imports to bind the graph: deployments.builder
 reaches the ModelServer, Tokenizer and Embedder deployments) import torch and
@@ -52,5 +53,23 @@ def test_the_driver_builds_the_default_graph_without_torch():
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_tokenizer_of_a_gguf_model_holds_no_torch():
+    """A GGUF's tokenizer is converted once and kept (app.text.light_tokenizer), so the
+    Tokenizer deployment of the default model renders and encodes without torch."""
+    code = (
+        "import sys; from deployments.config import AppConfig; "
+        "from deployments.tokenizer import Tokenizer; "
+        "config = AppConfig(); name = config.models[0].name; "
+        "tokenizer = Tokenizer(config.models); "
+        "assert tokenizer.encode(name, 'Hello there'); "
+        "assert tokenizer.encode_chat(name, [{'role': 'user', 'content': 'Hi'}]); "
+        "assert 'torch' not in sys.modules, 'torch'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
