@@ -193,14 +193,16 @@ def test_parallel_branches_from_one_response(app):
             return reply
 
         # (The in-process transport delivers a stream whole: two plain calls, the short
-        # one started while the long one generates.)
+        # one started while the long one generates. The long one is long enough to outlast
+        # the short one's wait for the busy context on a fast machine: 24 tokens did not.)
         long, short = await asyncio.gather(
-            branch("long", "Tell a story.", 24, 0.0), branch("short", "My name?", 2, 0.3)
+            branch("long", "Tell a story.", 96, 0.0), branch("short", "My name?", 2, 0.3)
         )
         return long, short, done
 
     long, short, done = _client_run(app, scenario)
     assert long.usage.input_tokens_details.cached_tokens > 0  # the long one had the context
+    assert long.status == "incomplete"  # it ran to its limit
     assert short.status == "incomplete" and short.output_text
     assert done == ["short", "long"]
 
