@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from app.protocol.errors import ModelLoadError
 from app.text.transformers_tokenizer import load_transformers_tokenizer, loaded_tokenizer
 
 CONVERT_TIMEOUT_S = 300
+# A conversion's staging directory older than this was left by a process killed midway:
+# a running conversion writes into its own well within its timeout.
+STALE_STAGING_S = 2 * CONVERT_TIMEOUT_S
 # Tokenizer classes that load a checkpoint's tokenizer.json as written.
 GENERIC_CLASSES = {None, "TokenizersBackend", "PreTrainedTokenizerFast"}
 
@@ -93,6 +97,7 @@ def _converted(source: ModelSource) -> Path:
     if (target / "tokenizer_config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    drop_stale_staging(target.parent)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         if "torch" in sys.modules:  # already paid for: convert here
@@ -108,6 +113,15 @@ def _converted(source: ModelSource) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def drop_stale_staging(directory: Path) -> None:
+    """Remove the staging directories that conversions killed midway left in `directory`."""
+    cutoff = time.time() - STALE_STAGING_S
+    for staging in directory.glob(".convert-*"):
+        with contextlib.suppress(OSError):  # another process removed it first
+            if staging.stat().st_mtime < cutoff:
+                shutil.rmtree(staging)
 
 
 def save_tokenizer(origin: Path, directory: Path) -> None:

@@ -154,3 +154,22 @@ def test_a_corrupt_gguf_is_a_model_load_error(cache, tmp_path):
     with pytest.raises(ModelLoadError):  # in a process with torch: the same refusal
         load_light_tokenizer(ModelSource("bad", bad.parent, bad.name))
     assert [p.name for p in (cache / "tokenizers").iterdir()] == []  # no half conversion
+
+
+def test_a_conversion_killed_midway_leaves_nothing_for_long(cache):
+    """The next conversion removes staging directories older than any live conversion
+    and keeps a younger one (a conversion that may still be running)."""
+    import os
+    import time
+
+    from app.text.light_tokenizer import STALE_STAGING_S
+
+    parent = cache / "tokenizers"
+    old, young = parent / ".convert-killed", parent / ".convert-running"
+    for staging in (old, young):
+        staging.mkdir(parents=True)
+        (staging / "tokenizer.json").write_text("{")
+    long_ago = time.time() - STALE_STAGING_S - 60
+    os.utime(old, (long_ago, long_ago))
+    load_light_tokenizer(resolve_model("default"))  # a fresh cache: converts it
+    assert not old.exists() and young.is_dir()
