@@ -21,11 +21,17 @@ def _bin(name: str) -> str | None:
     return found[-1] if found else shutil.which(name)
 
 
+def _runuser() -> str | None:
+    """runuser, also where a minimal PATH (no sbin directories) does not reach it."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    return shutil.which("runuser", path=path)
+
+
 def unavailable() -> str | None:
     """Why no server can be started here, or None."""
     if _bin("initdb") is None or _bin("pg_ctl") is None:
         return "PostgreSQL's server binaries (Debian package postgresql) are not installed"
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
+    if os.geteuid() == 0 and _runuser() is None:
         return "running as root without runuser: initdb refuses root"
     return None
 
@@ -45,7 +51,7 @@ def postgres_server() -> Iterator[str]:
     if os.geteuid() == 0:  # initdb and postgres refuse root: run them as `postgres`
         shutil.chown(root, "postgres")
         root.chmod(0o755)
-        as_user = ["runuser", "-u", "postgres", "--"]
+        as_user = [str(_runuser()), "-u", "postgres", "--"]
 
     def run(*cmd: str) -> None:
         subprocess.run([*as_user, *cmd], check=True, capture_output=True, timeout=120)
