@@ -7,7 +7,7 @@
 # on, and off at 1 and 64 sequences), the Triton kernels' tests on CUDA, then
 # tests/models and tests/engine. It writes env.txt, bench.log, triton.log and tests.log
 # under $OUT (or ./gpu-check). Tests that need the default model's package (98 MB, more
-# than a device call carries) skip there.
+# than a device call carries) are reported skipped there (scripts/gpu_missing_model.py).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 mode=${1:-}
@@ -43,12 +43,12 @@ run)
   # SIGINT at a deadline: pytest still prints its summary of what ran (-n: the image
   # has pytest-xdist)
   timeout -s INT -k 10 "${TRITON_S:-60}" python3 -m pytest tests/models/test_triton_attention.py \
-    tests/engine/test_decode_graphs.py tests/engine/test_decode_graphs_cuda.py -q -p no:cacheprovider --timeout 50 -rfEs --tb=short \
+    tests/engine/test_decode_graphs.py tests/engine/test_decode_graphs_cuda.py -q -p no:cacheprovider -p scripts.gpu_missing_model --timeout 50 -rfEs --tb=short \
     >"$out/triton.log" 2>&1
   triton=$?
   tail -n 25 "$out/triton.log" | cut -c1-240
   timeout -s INT -k 10 "${TEST_S:-160}" python3 -m pytest tests/models tests/engine -q \
-    -p no:cacheprovider -n 8 --continue-on-collection-errors --timeout 120 -rfE --tb=line \
+    -p no:cacheprovider -p scripts.gpu_missing_model -n 8 --continue-on-collection-errors --timeout 120 -rfE --tb=line \
     --ignore=tests/models/test_triton_attention.py --ignore=tests/engine/test_decode_graphs.py --ignore=tests/engine/test_decode_graphs_cuda.py \
     >"$out/tests.log" 2>&1
   tests=$?

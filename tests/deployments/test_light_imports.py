@@ -29,6 +29,14 @@ LIGHT = (
 )
 
 
+def run_clean(code: str, timeout_s: float = 120) -> None:
+    """Run `code` in a fresh interpreter at the repo root; it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("heavy", ["torch", "transformers"])
 def test_light_processes_import_no(heavy: str):
     code = (
@@ -37,10 +45,7 @@ def test_light_processes_import_no(heavy: str):
         f"heavy = sorted(m for m in sys.modules if m == {heavy!r} or m.startswith({heavy!r} + '.')); "
         "assert not heavy, heavy"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_clean(code)
 
 
 def test_the_driver_builds_the_default_graph_without_torch():
@@ -51,10 +56,7 @@ def test_the_driver_builds_the_default_graph_without_torch():
         "b(app.graph, {}); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_clean(code)
 
 
 def test_the_tokenizer_of_a_gguf_model_holds_no_torch():
@@ -69,7 +71,4 @@ def test_the_tokenizer_of_a_gguf_model_holds_no_torch():
         "assert tokenizer.encode_chat(name, [{'role': 'user', 'content': 'Hi'}]); "
         "assert 'torch' not in sys.modules, 'torch'"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_clean(code, timeout_s=300)
