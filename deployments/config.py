@@ -231,6 +231,9 @@ class OperatorConfig(BaseModel):
     drain_timeout_s: float = Field(
         60.0, gt=0, description="How long /api/shutdown waits for open requests to finish."
     )
+    max_websocket_clients: int = Field(
+        64, ge=1, description="WebSocket clients at once per ingress replica; more are refused."
+    )
 
 
 class AppConfig(BaseModel):
@@ -248,7 +251,22 @@ class AppConfig(BaseModel):
     # the ingress only awaits I/O, and a tokenizer call takes about a millisecond.
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     tokenizer_max_ongoing_requests: int = Field(256, ge=1)
-    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Bearer keys for inference; empty: no auth."
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys that may also use the operator's actions (downloads, models started "
+        "and stopped, shutdown, client log lines, the WebSocket's commands), read host detail "
+        "and see every key's stored objects; also valid for inference. Empty: those actions "
+        "are taken from loopback clients only.",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: ["localhost", ".localhost"],
+        description="Host header names this server answers (DNS rebinding): a name, "
+        "`.example.com` for it and its subdomains, or `*` for any. IP addresses are always "
+        "answered (an address cannot be rebound). Others get 421.",
+    )
     cors_origins: list[str] = Field(default_factory=list, description="Empty: CORS off.")
     strict_model_names: bool = Field(
         False,

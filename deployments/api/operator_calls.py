@@ -1,6 +1,6 @@
 """Calls on the Operator deployment from any dialect's routes (the operator API's, and
 Ollama's pull and delete, which manage models through it), and the guard of those that
-change state on a GET."""
+change state (some on a GET)."""
 
 from typing import Any
 from urllib.parse import urlsplit
@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from fastapi import Depends, Request
 
 from app.protocol.errors import NotFoundError, PermissionDeniedError
+from deployments.http.caller import caller_of
 from deployments.ingress import Ingress, unwrap
 
 
@@ -23,12 +24,20 @@ def cross_site(headers: Any, allowed_origins: list[str]) -> bool:
     return bool(origin) and urlsplit(origin).netloc != headers.get("host")
 
 
-def same_site(request: Request) -> None:
+def operator_action(request: Request) -> None:
+    """The guard of every call that changes the operator's state: never from another
+    site's page, and only from an admin key, or, with no admin keys set, from a client
+    on this machine (deployments/http/caller.py)."""
     if cross_site(request.headers, request.app.state.ingress.config.cors_origins):
         raise PermissionDeniedError("refused: a request from another site's page")
+    if not caller_of(request).operator:
+        raise PermissionDeniedError(
+            "refused: operator actions need an admin key (admin_api_keys), or a client on "
+            "the server's own machine when none is set"
+        )
 
 
-SameSite = Depends(same_site)
+OperatorAction = Depends(operator_action)
 
 
 async def operator_call(ingress: Ingress, method: str, *args: Any) -> Any:

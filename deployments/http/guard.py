@@ -1,8 +1,11 @@
-"""RequestGuard: the ingress's outer ASGI layer (inside CORS): keys, body size, client
-disconnects and a deadline, the same for every route and whatever the client asks.
+"""RequestGuard: the ingress's outer ASGI layer (inside CORS): the Host, keys, body size,
+client disconnects and a deadline, the same for every route and whatever the client asks.
 
-- **Keys.** With `api_keys` set, every path but `/health` needs a bearer key. `/health`
-  answers anyone; `scope["state"]["authenticated"]` tells it whether to add slot detail.
+- **Host.** A Host header that is neither an IP address nor one of `allowed_hosts` gets
+  421 (a WebSocket is closed unopened): a DNS-rebinding page never reaches a route.
+- **Keys.** With `api_keys` set, every path but `/health` needs a bearer key (an admin key
+  will do). `/health` answers anyone; `scope["state"]["authenticated"]` tells it whether
+  to add slot detail. `scope["state"]["caller"]` says who it is (deployments/http/caller.py).
 - **Body size.** The body is read here, before any route, and refused with 413 once past
   `max_request_bytes`, whether the client declared a Content-Length or streamed it in
   chunks, and with 408 if it has not all arrived after `request_body_timeout_s`. The
@@ -13,14 +16,16 @@ disconnects and a deadline, the same for every route and whatever the client ask
   channel itself (only then: each watch costs a call to the proxy).
 - **Drain.** Once the operator drains the app (`Admission.draining`), every new request gets 503;
   the open ones go on, and `Admission.open` counts them so the drain knows when they are done.
-- **WebSockets** need the key too: in the Authorization header, or as `?api_key=` since
-  a browser cannot set headers on a WebSocket.
+- **WebSockets** need the key too: in the Authorization header, or, since a browser
+  cannot set headers on a WebSocket, as a subprotocol `shoal.key.<base64url of the key>`
+  beside `shoal.events`. Never in the URL, which proxies and access logs keep.
 - **Deadline.** A request still running after `request_timeout_s` is cancelled: a 408 if
   nothing was sent yet, else its body is ended. A client's `x-request-timeout-seconds`
   can shorten Serve's own timeout but never lift this one.
 """
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -29,11 +34,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from app.protocol.errors import RemoteError
 from deployments.config import AppConfig
+from deployments.http.caller import Caller, is_loopback, key_id
 from deployments.http.errors import dialect_body, relative_path
+from deployments.http.hosts import host_allowed
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,6 +52,7 @@ Send = Callable[[Message], Awaitable[None]]
 Observer = Callable[[Scope, int, float], None]
 
 PUBLIC_PATHS = ("/health",)
+KEY_SUBPROTOCOL = "shoal.key."
 DISCONNECT_OPT_OUT = b"x-request-disconnect-disabled"
 
 
@@ -73,18 +81,33 @@ class RequestGuard:
         self.app = app
         self.admission = admission or Admission()
         self.keys = [k.encode() for k in config.api_keys]
+        self.admin_keys = [k.encode() for k in config.admin_api_keys]
+        self.allowed_hosts = list(config.allowed_hosts)
         self.max_bytes = config.max_request_bytes
         self.timeout_s = config.request_timeout_s
         self.body_timeout_s = config.request_body_timeout_s
         self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = not self._authenticated(scope) or self.admission.draining
-        if scope["type"] == "websocket" and refused:
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
+            return
+        foreign = not host_allowed(_header(scope, b"host"), self.allowed_hosts)
+        if foreign:
+            logger.warning("refused Host %r (not in allowed_hosts)", _header(scope, b"host"))
+        caller = self._caller(scope)
+        state = scope.setdefault("state", {})
+        state["caller"], state["authenticated"] = caller, caller is not None
+        if scope["type"] == "websocket":
+            if foreign or caller is None or self.admission.draining:
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)
+            return
+        if foreign:
+            path = relative_path(scope)
+            message = "this server does not answer that Host (allowed_hosts)"
+            await _reply(send, 421, error_body(path, 421, message, "host_not_allowed"))
             return
         if self.admission.draining:
             path = relative_path(scope)
@@ -113,9 +136,7 @@ class RequestGuard:
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = relative_path(scope)
-        authenticated = self._authenticated(scope)
-        scope.setdefault("state", {})["authenticated"] = authenticated
-        if not authenticated and path not in PUBLIC_PATHS:
+        if not scope["state"]["authenticated"] and path not in PUBLIC_PATHS:
             await _reply(
                 send, 401, error_body(path, 401, "Invalid or missing API key", "invalid_api_key")
             )
@@ -197,17 +218,15 @@ class RequestGuard:
             for task in tasks:
                 task.cancel()
 
-    def _authenticated(self, scope: Scope) -> bool:
-        if not self.keys:
-            return True
-        auth = (_header(scope, b"authorization") or "").strip()
-        token = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
-        if not token:  # Anthropic's clients send the key as x-api-key
-            token = (_header(scope, b"x-api-key") or "").strip().encode()
-        if not token and scope["type"] == "websocket":
-            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            token = (query.get("api_key") or [""])[0].encode()
-        return any(hmac.compare_digest(token, k) for k in self.keys)
+    def _caller(self, scope: Scope) -> Caller | None:
+        """Who sent this, or None when it needs a key and has none that is valid."""
+        token = _token(scope)
+        admin = any(hmac.compare_digest(token, k) for k in self.admin_keys)
+        valid = admin or any(hmac.compare_digest(token, k) for k in self.keys)
+        if self.keys and not valid:
+            return None
+        operator = admin or (not self.admin_keys and is_loopback(scope))
+        return Caller(key_id(token) if valid else None, admin, operator)
 
     async def _too_large(self, send: Send, path: str) -> None:
         message = f"request body over {self.max_bytes} bytes"
@@ -243,6 +262,22 @@ def _from_another_site(scope: Scope) -> bool:
         return True
     origin = _header(scope, b"origin")
     return bool(origin) and urlsplit(origin).netloc != _header(scope, b"host")
+
+
+def _token(scope: Scope) -> bytes:
+    """The key a request presents: a bearer token, Anthropic's x-api-key, or a
+    WebSocket's key subprotocol."""
+    auth = (_header(scope, b"authorization") or "").strip()
+    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    token = token or (_header(scope, b"x-api-key") or "").strip()
+    if not token and scope["type"] == "websocket":
+        for protocol in scope.get("subprotocols", ()):
+            if protocol.startswith(KEY_SUBPROTOCOL):
+                encoded = protocol[len(KEY_SUBPROTOCOL) :]
+                with contextlib.suppress(ValueError):
+                    padding = "=" * (-len(encoded) % 4)
+                    token = base64.urlsafe_b64decode(encoded + padding).decode()
+    return token.encode()
 
 
 class _ClientGone(Exception):

@@ -147,11 +147,18 @@ function showInference() {
 
 let socket = null;
 
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
 function connect() {
   if (socket) socket.close();
   const scheme = location.protocol === "https:" ? "wss" : "ws";
-  const query = keyInput.value ? `?api_key=${encodeURIComponent(keyInput.value)}` : "";
-  socket = new WebSocket(`${scheme}://${location.host}${base}/ws${query}`);
+  // The key travels as a subprotocol, never in the URL (proxies and access logs keep URLs).
+  const protocols = ["shoal.events"];
+  if (keyInput.value) protocols.push(`shoal.key.${base64url(keyInput.value)}`);
+  socket = new WebSocket(`${scheme}://${location.host}${base}/ws`, protocols);
   const mine = socket;
   socket.onopen = () => { $("conn").textContent = "live"; $("conn").className = "badge on"; };
   socket.onclose = () => {

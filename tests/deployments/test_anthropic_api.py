@@ -33,9 +33,9 @@ def _with_client(app, scenario, key: str = "x"):  # noqa: ANN001, ANN202
     async def go():  # noqa: ANN202
         # anthropic 2 speaks through httpx2 (httpx's successor), with its own ASGI transport.
         transport = httpx2.ASGITransport(app=app)
-        async with httpx2.AsyncClient(transport=transport, base_url="http://local") as http:
+        async with httpx2.AsyncClient(transport=transport, base_url="http://localhost") as http:
             client = anthropic.AsyncAnthropic(
-                base_url="http://local", api_key=key, http_client=http
+                base_url="http://localhost", api_key=key, http_client=http
             )
             return await scenario(client)
 

@@ -37,7 +37,9 @@ def scenario(served, body):  # noqa: ANN001, ANN201
 
     async def go():  # noqa: ANN202
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             return await body(client)
 
     return run(go())

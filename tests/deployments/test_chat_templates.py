@@ -27,7 +27,9 @@ PERSONA = (
 def _openai(app, scenario):  # noqa: ANN001, ANN202
     async def go():  # noqa: ANN202
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             return await scenario(client, http)
 
     return run(go())
@@ -125,7 +127,7 @@ def test_a_bad_template_is_a_400_on_both_routes(app, extra, param, words):
 
 def test_ollama_think_on_a_model_that_does_not_reason(app):
     async def scenario():  # noqa: ANN202
-        client = ollama.AsyncClient(host="http://local", transport=httpx.ASGITransport(app=app))
+        client = ollama.AsyncClient(host="http://localhost", transport=httpx.ASGITransport(app=app))
         show = await client.show(MODEL)
         off = await client.chat(MODEL, messages=ASK, think=False, options={"num_predict": 2})
         try:

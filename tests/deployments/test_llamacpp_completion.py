@@ -163,7 +163,9 @@ def test_apply_template_is_what_chat_feeds_the_model(app):
                 {"role": "user", "content": "What colour is the sky?"},
             ]
             prompt = (await http.post("/apply-template", json={"messages": messages})).json()
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             chat = await client.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=6, temperature=0
             )

@@ -98,7 +98,9 @@ def test_models_list_names_the_embedding_model(wide_app):
 
     async def scenario():
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             listed = [m.id async for m in client.models.list()]
             bare = (await http.get("/models")).json()
             one = await client.models.retrieve(EMBEDDER)
@@ -124,7 +126,9 @@ def test_embedding_inputs_in_every_form(wide_app):
 
     async def scenario():
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
 
             async def vectors(value):  # noqa: ANN001, ANN202
                 reply = await client.embeddings.create(input=value, model=EMBEDDER)

@@ -10,7 +10,9 @@ from tests.local_app import MODEL, http_client, run
 def test_openai_sdk_chat_and_stream(app):
     async def scenario():
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             messages = [{"role": "user", "content": "Name a colour."}]
             whole = await client.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=8, temperature=0
@@ -33,7 +35,9 @@ def test_completions_prompt_forms(app):
 
     async def scenario():
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             create = client.completions.create
             one = await create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
             prompts = ["The sky is", "Water is", "One two three"]

@@ -2,6 +2,7 @@
 hub over real HTTP: progress, filters, cancel, resume after a restart, reset, the size
 cap, bad names; the SSRF guard; events on the WebSocket in order; client log lines."""
 
+import base64
 import logging
 import time
 from pathlib import Path
@@ -73,7 +74,9 @@ def client_for(config: AppConfig, operator: Operator | None = None) -> TestClien
     operator = operator or Operator(config)
     tokenizer = LocalHandle(Tokenizer(config.models))
     ingress = Ingress(config, tokenizer, {}, operator=LocalHandle(operator))
-    return TestClient(create_app(ingress))
+    # A client on this machine, as the operator's actions need without admin keys.
+    app = create_app(ingress)
+    return TestClient(app, base_url="http://localhost", client=("127.0.0.1", 50000))
 
 
 def crash(operator: Operator) -> None:
@@ -305,16 +308,19 @@ def test_requests_from_another_sites_page_are_refused(hub, tmp_path):
             assert r.status_code == 403 and "another site" in r.json()["error"]
             with (
                 pytest.raises(WebSocketDisconnect),
-                client.websocket_connect("/ws", headers=headers),
+                client.websocket_connect("ws://localhost/ws", headers=headers),
             ):
                 pass
-        same = {"Sec-Fetch-Site": "same-origin", "Origin": "http://testserver"}
+        same = {"Sec-Fetch-Site": "same-origin", "Origin": "http://localhost"}
         ok = client.post("/api/utils/log", json={"message": "same site"}, headers=same)
         assert ok.status_code == 200
 
 
 def test_websocket_gets_download_events_in_order(hub, tmp_path):
-    with client_for(make_config(hub, tmp_path)) as client, client.websocket_connect("/ws") as ws:
+    with (
+        client_for(make_config(hub, tmp_path)) as client,
+        client.websocket_connect("ws://localhost/ws") as ws,
+    ):
         client.get("/api/downloads/enqueue", params={"modelRepo": REPO, "filePath": "config.json"})
         seen = []
         while not seen or seen[-1] != "complete":
@@ -331,10 +337,21 @@ def test_websocket_and_api_need_the_key(hub, tmp_path):
         assert client.get("/api/downloads").status_code == 401
         ok = client.get("/api/downloads", headers={"Authorization": "Bearer sk-ops"})
         assert ok.status_code == 200
-        with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect("/ws"):
+        with (
+            pytest.raises(WebSocketDisconnect) as refused,
+            client.websocket_connect("ws://localhost/ws"),
+        ):
             pass
         assert refused.value.code == 1008
-        with client.websocket_connect("/ws?api_key=sk-ops") as ws:
+        with (
+            pytest.raises(WebSocketDisconnect),
+            client.websocket_connect("ws://localhost/ws?api_key=sk-ops"),
+        ):
+            pass  # never in the URL
+        key = base64.urlsafe_b64encode(b"sk-ops").decode().rstrip("=")
+        protocols = ["shoal.events", f"shoal.key.{key}"]
+        with client.websocket_connect("ws://localhost/ws", subprotocols=protocols) as ws:
+            assert ws.accepted_subprotocol == "shoal.events"
             ws.send_text("ping")  # an unknown message is ignored
 
 
@@ -367,7 +384,7 @@ def test_shutdown_over_the_websocket_drains(hub, tmp_path):
     deployer = TeardownRecorder()
     operator = Operator(make_config(hub, tmp_path), deployer=deployer)
     with client_for(make_config(hub, tmp_path), operator) as client:
-        with client.websocket_connect("/ws") as ws:
+        with client.websocket_connect("ws://localhost/ws") as ws:
             ws.send_json({"type": "shutdown"})
             states = []
             while "stopping" not in states:

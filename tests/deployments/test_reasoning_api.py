@@ -61,7 +61,9 @@ def app(smollm2_engine, tmp_path_factory):
 def _openai(app, scenario):  # noqa: ANN001, ANN202
     async def go():  # noqa: ANN202
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             return await scenario(client, http)
 
     return run(go())
@@ -141,7 +143,7 @@ def test_markers_the_model_writes_split_whole_and_streamed(app, smollm2_tokenize
 def test_ollama_client_think_on_and_off(app):
     async def scenario():  # noqa: ANN202
         transport = httpx.ASGITransport(app=app)
-        client = ollama.AsyncClient(host="http://local", transport=transport)
+        client = ollama.AsyncClient(host="http://localhost", transport=transport)
         greedy = {"temperature": 0, "num_predict": 16, "repeat_penalty": 1.0}
         on = await client.chat(MODEL, messages=SHOWN, think=True, options=greedy)
         off = await client.chat(MODEL, messages=ASK, think=False, options=greedy)
@@ -170,9 +172,9 @@ def test_ollama_client_think_on_and_off(app):
 def _anthropic(app, scenario):  # noqa: ANN001, ANN202
     async def go():  # noqa: ANN202
         transport = httpx2.ASGITransport(app=app)
-        async with httpx2.AsyncClient(transport=transport, base_url="http://local") as http:
+        async with httpx2.AsyncClient(transport=transport, base_url="http://localhost") as http:
             client = anthropic.AsyncAnthropic(
-                base_url="http://local", api_key="x", http_client=http
+                base_url="http://localhost", api_key="x", http_client=http
             )
             return await scenario(client)
 

@@ -54,7 +54,9 @@ async def _raw_events(http, body: dict) -> list[dict]:  # noqa: ANN001
 def _client_run(app, fn):  # noqa: ANN001, ANN202
     async def scenario():
         async with http_client(app) as http:
-            client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url="http://localhost/v1", api_key="x", http_client=http
+            )
             return await fn(client, http)
 
     return run(scenario())

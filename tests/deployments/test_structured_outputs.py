@@ -50,7 +50,7 @@ class Person(BaseModel):
 
 async def _with_client(fn):  # noqa: ANN001, ANN202
     async with http_client(app_of[0]) as http:
-        client = openai.AsyncOpenAI(base_url="http://local/v1", api_key="x", http_client=http)
+        client = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="x", http_client=http)
         return await fn(client)
 
 

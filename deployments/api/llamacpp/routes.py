@@ -21,6 +21,8 @@ from deployments.api.llamacpp.schema import (
     TokenizeRequest,
 )
 from deployments.api.slots import check_slot, slot_op
+from deployments.http.caller import caller_of
+from deployments.http.host_detail import without_host_detail
 from deployments.ingress import Ingress, IngressDep
 
 router = APIRouter()
@@ -94,14 +96,16 @@ async def slots(ingress: IngressDep, model: str | None = None) -> list[dict]:
 
 
 @router.get("/props")
-async def props(ingress: IngressDep, model: str | None = None) -> dict:
+async def props(ingress: IngressDep, request: Request, model: str | None = None) -> dict:
     name = ingress.default_model(model)
     cfg, tokenizer = ingress.model(name), ingress.tokenizers[name]
     replicas = sum(1 for e in await ingress.engines() if e["engine_name"] == name) or 1
     defaults = SamplingParams(max_tokens=ingress.config.max_tokens_default)
     return {
         "model": name,
-        "model_path": cfg.engine.model,
+        "model_path": cfg.engine.model
+        if caller_of(request).operator
+        else without_host_detail(cfg.engine.model),
         "total_slots": cfg.engine.max_num_seqs * replicas,  # over the live replicas
         "default_generation_settings": {
             "n_ctx": (await ingress.info(name)).max_model_len,

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
 from deployments.api.ollama.routes import ollama_error
-from deployments.api.operator_calls import SameSite, manage
+from deployments.api.operator_calls import OperatorAction, manage
 from deployments.ingress import Ingress, IngressDep
 
 POLL_S = 0.5
@@ -44,7 +44,7 @@ def split_name(name: str | None) -> tuple[str, str | None, str]:
     return repo, file_path, name.removesuffix(":latest")
 
 
-@router.post("/api/pull", dependencies=[SameSite])
+@router.post("/api/pull", dependencies=[OperatorAction])
 async def pull(req: PullRequest, ingress: IngressDep):  # noqa: ANN201 (stream or JSON)
     name = (req.model or req.name or "").removesuffix(":latest")
     if ingress.find_model(name) is not None:  # served already (configured, or pulled)
@@ -113,7 +113,7 @@ class DeleteRequest(BaseModel):
     name: str | None = Field(None, max_length=300)
 
 
-@router.delete("/api/delete", dependencies=[SameSite])
+@router.delete("/api/delete", dependencies=[OperatorAction])
 async def delete(req: DeleteRequest, ingress: IngressDep) -> dict:
     repo, file_path, alias = split_name(req.model or req.name)
     if ingress.config.model(alias) is not None:

@@ -3,7 +3,11 @@
 {"event": ..., "data": ..., "seq": ..., "time": ...}, from whichever ingress replica it
 is connected to. On connecting, a client first gets the current downloads and
 inference items. A client may send {"type": "shutdown"} (or the text "shutdown") to
-drain the server, as GET /api/shutdown does.
+drain the server, as GET /api/shutdown does, if it may act as the operator (an admin key,
+or a client on this machine when none is set); else it gets an `error` event.
+
+A browser page passes its key as a subprotocol (`shoal.key.<base64url>`, beside
+`shoal.events`, which the server picks): see deployments/http/guard.py.
 """
 
 import asyncio
@@ -14,6 +18,7 @@ import logging
 from fastapi import APIRouter, FastAPI, WebSocket, WebSocketDisconnect
 
 from deployments.api.operator_calls import cross_site, manage, operator_call
+from deployments.http.caller import Caller
 from deployments.ingress import Ingress
 from deployments.operator.follower import Broadcaster, Client, EventFollower
 
@@ -21,6 +26,7 @@ logger = logging.getLogger("ray.serve")
 MAX_CLIENT_MESSAGE = 4096
 SEND_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 30.0
+SUBPROTOCOL = "shoal.events"
 router = APIRouter()
 
 
@@ -28,6 +34,7 @@ def install(app: FastAPI, ingress: Ingress) -> None:
     if ingress.operator is None:
         return
     broadcaster = app.state.broadcaster = Broadcaster()
+    app.state.websockets = 0  # open here, counted from before the accept
     follower = app.state.follower = EventFollower(ingress, broadcaster)
     tasks: list[asyncio.Task] = []
 
@@ -54,7 +61,19 @@ async def events(websocket: WebSocket) -> None:
         # Browsers let any page open a WebSocket anywhere: only this site's may.
         await websocket.close(code=1008, reason="refused: a page from another site")
         return
-    await websocket.accept()
+    if websocket.app.state.websockets >= ingress.config.operator.max_websocket_clients:
+        await websocket.close(code=1013, reason="too many clients: try again later")
+        return
+    websocket.app.state.websockets += 1
+    try:
+        await _serve(websocket, ingress, broadcaster)
+    finally:
+        websocket.app.state.websockets -= 1
+
+
+async def _serve(websocket: WebSocket, ingress: Ingress, broadcaster: Broadcaster) -> None:
+    offered = websocket.scope.get("subprotocols", ())
+    await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     with contextlib.suppress(TimeoutError):  # the operator starting: events come later
         await asyncio.wait_for(websocket.app.state.follower.ready.wait(), READY_TIMEOUT_S)
     client = broadcaster.join()
@@ -103,6 +122,7 @@ async def _pump(websocket: WebSocket, client: Client, ingress: Ingress) -> None:
 
 
 async def _read(websocket: WebSocket, ingress: Ingress) -> None:
+    caller: Caller = websocket.scope.get("state", {}).get("caller") or Caller()
     while True:
         text = await websocket.receive_text()
         if len(text) > MAX_CLIENT_MESSAGE:
@@ -110,6 +130,10 @@ async def _read(websocket: WebSocket, ingress: Ingress) -> None:
             return
         with contextlib.suppress(ValueError, AttributeError):
             text = json.loads(text).get("type", "")
-        if text == "shutdown":
+        if text == "shutdown" and not caller.operator:
+            message = "refused: shutdown needs an admin key (admin_api_keys), or a client on "
+            message += "the server's own machine when none is set"
+            await websocket.send_json({"event": "error", "data": {"message": message}})
+        elif text == "shutdown":
             logger.info("shutdown asked over the WebSocket")
             await operator_call(ingress, "drain", "websocket")

@@ -9,10 +9,12 @@ Errors take Ollama's shape ({"error": "..."}), as everything under /api/ does.
 import logging
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.api.operator_calls import SameSite, manage, operator_call
+from deployments.api.operator_calls import OperatorAction, manage, operator_call
+from deployments.http.caller import caller_of
+from deployments.http.host_detail import without_host_detail
 from deployments.ingress import IngressDep
 
 logger = logging.getLogger("ray.serve")
@@ -30,14 +32,16 @@ Alias = Annotated[str, Query(min_length=1, max_length=128)]
 
 # ---- catalog and hardware ---------------------------------------------------------------
 @router.get("/api/models")
-async def models(ingress: IngressDep) -> dict:
-    return {"models": await operator_call(ingress, "models")}
+async def models(ingress: IngressDep, request: Request) -> dict:
+    found = await operator_call(ingress, "models")
+    return {"models": found if caller_of(request).operator else without_host_detail(found)}
 
 
 @router.get("/api/hardware")
 @router.get("/api/hardwareinfo")
-async def hardware(ingress: IngressDep) -> dict:
-    return await operator_call(ingress, "hardware")
+async def hardware(ingress: IngressDep, request: Request) -> dict:
+    found = await operator_call(ingress, "hardware")
+    return found if caller_of(request).operator else without_host_detail(found)
 
 
 # ---- downloads --------------------------------------------------------------------------
@@ -48,17 +52,17 @@ async def downloads(
     return {"DownloadItems": await manage(ingress, "downloads.list", model_repo, file_path)}
 
 
-@router.get("/api/downloads/enqueue", dependencies=[SameSite])
+@router.get("/api/downloads/enqueue", dependencies=[OperatorAction])
 async def enqueue(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
     return await manage(ingress, "downloads.enqueue", model_repo, file_path)
 
 
-@router.get("/api/downloads/cancel", dependencies=[SameSite])
+@router.get("/api/downloads/cancel", dependencies=[OperatorAction])
 async def cancel(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
     return await manage(ingress, "downloads.cancel", model_repo, file_path)
 
 
-@router.get("/api/downloads/reset", dependencies=[SameSite])
+@router.get("/api/downloads/reset", dependencies=[OperatorAction])
 async def reset(ingress: IngressDep, model_repo: Repo, file_path: FilePath = None) -> dict:
     return await manage(ingress, "downloads.reset", model_repo, file_path)
 
@@ -74,7 +78,7 @@ async def inference_status(ingress: IngressDep, alias: str | None = None) -> lis
     return await manage(ingress, "inference.list", alias)
 
 
-@router.get("/api/inference/start", dependencies=[SameSite])
+@router.get("/api/inference/start", dependencies=[OperatorAction])
 async def inference_start(
     ingress: IngressDep,
     alias: Alias,
@@ -100,18 +104,18 @@ async def inference_start(
     )
 
 
-@router.get("/api/inference/stop", dependencies=[SameSite])
+@router.get("/api/inference/stop", dependencies=[OperatorAction])
 async def inference_stop(ingress: IngressDep, alias: Alias) -> dict:
     return await manage(ingress, "inference.stop", alias)
 
 
-@router.get("/api/inference/reset", dependencies=[SameSite])
+@router.get("/api/inference/reset", dependencies=[OperatorAction])
 async def inference_reset(ingress: IngressDep, alias: Alias) -> dict:
     return await manage(ingress, "inference.reset", alias)
 
 
 # ---- shutdown and logs ------------------------------------------------------------------
-@router.get("/api/shutdown", dependencies=[SameSite])
+@router.get("/api/shutdown", dependencies=[OperatorAction])
 async def shutdown(ingress: IngressDep) -> dict:
     """Drain: no new requests; open streams finish; then the app is deleted."""
     return await operator_call(ingress, "drain", "api")
@@ -135,7 +139,7 @@ LEVELS = {
 }
 
 
-@router.post("/api/utils/log", dependencies=[SameSite])
+@router.post("/api/utils/log", dependencies=[OperatorAction])
 async def log(item: WingmanLogItem) -> dict:
     # One line per item: a client's newlines cannot forge other log lines.
     text = item.message.replace("\r", "\\r").replace("\n", "\\n")
