@@ -10,16 +10,18 @@ Formats (what the model writes):
 - mistral: `[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]` (v0.3 tokenizers), or
   `[TOOL_CALLS]f[ARGS]{...}` (v11 and later).
 
-The parser is a pure function of the text so far (as vLLM's are), so streaming is a diff
-of successive parses: a call's name appears once known, its arguments as a prefix that
-only grows, and text that may still turn into a call (`<tool_`) is held back.
+The parser (tool_parse.py) reads a streamed output as it grows, each character once, and
+gives what a parse of the whole text so far gives: a call's name once known, its arguments
+as a prefix that only grows, and text that may still turn into a call (`<tool_`) held
+back.
 """
 
 import json
-import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from app.text.tool_parse import CallState, HermesReader, Llama3Reader, MistralReader, Reader
 
 
 class ToolFormat(StrEnum):
@@ -53,180 +55,43 @@ def tool_format(chat_template: str | None) -> ToolFormat:
 
 def parse(fmt: ToolFormat, text: str, final: bool) -> ParsedOutput:
     """The calls in `text` (the output so far; `final`: the whole output)."""
-    fmt = ToolFormat(fmt)
-    if fmt is ToolFormat.HERMES:
-        return _parse_hermes(text, final)
-    if fmt is ToolFormat.LLAMA3_JSON:
-        return _parse_llama3(text, final)
-    return _parse_mistral(text, final)
+    parser = ToolCallParser(fmt)
+    parser.feed(text, final)
+    return parser.output()
 
 
-# ---- hermes ------------------------------------------------------------------------------
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+class ToolCallParser:
+    """The calls in an output that grows by pieces, each character read once
+    (tool_parse.py); `parse` is one feed of the whole text."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.text = ""
+        self.reader: Reader = READERS[ToolFormat(fmt)]()
+
+    def feed(self, piece: str, final: bool = False) -> None:
+        self.text += piece
+        self.reader.feed(self.text, final)
+
+    @property
+    def content_end(self) -> int:
+        """How much of the text is content that is safe to show now."""
+        return self.reader.content_end
+
+    @property
+    def calls(self) -> list[CallState]:
+        """The calls read so far (their names once known), in order."""
+        return [c for c in self.reader.calls if c.name] if not self.reader.all_content else []
+
+    def output(self) -> ParsedOutput:
+        calls = [ParsedCall(c.name, c.arguments(self.text), c.complete) for c in self.calls]
+        return ParsedOutput(self.text[: self.content_end], calls)
 
 
-def _parse_hermes(text: str, final: bool) -> ParsedOutput:
-    start = text.find(_OPEN)
-    if start < 0:
-        return ParsedOutput(text if final else _hold_back(text, _OPEN))
-    out = ParsedOutput(text[:start])
-    pos = start
-    while pos >= 0:
-        body_start = pos + len(_OPEN)
-        end = text.find(_CLOSE, body_start)
-        body = text[body_start:] if end < 0 else text[body_start:end]
-        call = _json_call(body, "arguments", complete=end >= 0 or final)
-        if call is not None:
-            out.calls.append(call)
-        if end < 0:
-            break
-        pos = text.find(_OPEN, end)
-    return out
-
-
-# ---- llama 3 JSON ------------------------------------------------------------------------
-_PYTHON_TAG = "<|python_tag|>"
-
-
-def _parse_llama3(text: str, final: bool) -> ParsedOutput:
-    body = text.lstrip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG) :].lstrip()
-    if not body.startswith("{"):
-        if not final and (_PYTHON_TAG.startswith(body) or not body):
-            return ParsedOutput("")
-        return ParsedOutput(text)
-    out = ParsedOutput("")
-    for piece in _split_top_level(body, ";"):
-        key = "parameters" if '"parameters"' in piece else "arguments"
-        done = final or _json_end(piece) is not None
-        call = _json_call(piece, key, complete=done)
-        if call is None:
-            if final:  # JSON that is no call: it was the answer
-                return ParsedOutput(text)
-            continue
-        out.calls.append(call)
-    return out
-
-
-# ---- mistral -----------------------------------------------------------------------------
-_MISTRAL = "[TOOL_CALLS]"
-_ARGS = "[ARGS]"
-
-
-def _parse_mistral(text: str, final: bool) -> ParsedOutput:
-    start = text.find(_MISTRAL)
-    if start < 0:
-        return ParsedOutput(text if final else _hold_back(text, _MISTRAL))
-    out = ParsedOutput(text[:start])
-    rest = text[start + len(_MISTRAL) :].lstrip()
-    if rest.startswith("["):  # a JSON list of calls
-        items = _list_items(rest)
-        for i, item in enumerate(items):
-            done = final or i < len(items) - 1 or _json_end(item) is not None
-            call = _json_call(item, "arguments", complete=done)
-            if call is not None:
-                out.calls.append(call)
-        return out
-    for chunk in rest.split(_MISTRAL):  # name[ARGS]{...}, repeated
-        name, sep, args = chunk.partition(_ARGS)
-        if not sep:
-            if final and name.strip():
-                out.calls.append(ParsedCall(name.strip(), "{}", True))
-            continue
-        end = _json_end(args.lstrip())
-        arguments = args.lstrip() if end is None else args.lstrip()[:end]
-        out.calls.append(ParsedCall(name.strip(), arguments, final or end is not None))
-    return out
-
-
-# ---- shared pieces -----------------------------------------------------------------------
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-def _json_call(body: str, args_key: str, complete: bool) -> ParsedCall | None:
-    """A call from `{"name": ..., "<args_key>": {...}}` so far; None before its name."""
-    name = _NAME.search(body)
-    if name is None:
-        return None
-    call = ParsedCall(json.loads(f'"{name.group(1)}"'))
-    found = re.search(rf'"{args_key}"\s*:\s*', body)
-    if found is None:
-        if complete:
-            call.arguments, call.complete = "{}", True
-        return call
-    args = body[found.end() :]
-    end = _json_end(args)
-    if end is not None:
-        call.arguments, call.complete = args[:end], True
-    else:
-        call.arguments = args.rstrip()
-        call.complete = complete
-    return call
-
-
-def _json_end(text: str) -> int | None:
-    """Where the JSON value that `text` starts with ends (just past it), or None if it
-    does not end in `text`."""
-    depth, in_string, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif depth == 0 and ch in ",}\n" and i:
-            return i  # a bare number, true, false or null
-    return None
-
-
-def _split_top_level(text: str, sep: str) -> list[str]:
-    """`text` cut at `sep` between top-level JSON values."""
-    pieces, rest = [], text
-    while rest:
-        end = _json_end(rest)
-        if end is None:
-            pieces.append(rest)
-            break
-        pieces.append(rest[:end])
-        rest = rest[end:].lstrip()
-        if not rest.startswith(sep):
-            break
-        rest = rest[len(sep) :].lstrip()
-    return pieces
-
-
-def _list_items(text: str) -> list[str]:
-    """The items of the JSON list that `text` starts with, the last one maybe partial."""
-    items, rest = [], text[1:].lstrip()
-    while rest and not rest.startswith("]"):
-        end = _json_end(rest)
-        if end is None:
-            items.append(rest)
-            break
-        items.append(rest[:end])
-        rest = rest[end:].lstrip().removeprefix(",").lstrip()
-    return items
-
-
-def _hold_back(text: str, marker: str) -> str:
-    """`text` without a tail that could be the start of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return text[:-k]
-    return text
+READERS: dict[ToolFormat, type[Reader]] = {
+    ToolFormat.HERMES: HermesReader,
+    ToolFormat.LLAMA3_JSON: Llama3Reader,
+    ToolFormat.MISTRAL: MistralReader,
+}
 
 
 # ---- forcing a call ----------------------------------------------------------------------

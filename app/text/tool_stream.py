@@ -5,7 +5,7 @@ Ollama whole calls)."""
 import uuid
 from dataclasses import dataclass
 
-from app.text.tool_calls import ParsedCall, ToolFormat, parse
+from app.text.tool_calls import ParsedCall, ToolCallParser, ToolFormat, parse
 
 
 def new_call_id() -> str:
@@ -23,13 +23,21 @@ class CallFragment:
 
 
 class ToolCallStream:
+    """The content and call fragments of one output as it streams. Each piece costs what
+    it adds: the parser reads only the new text, and only calls not yet whole and sent
+    are looked at again."""
+
     def __init__(self, fmt: ToolFormat) -> None:
-        self.fmt = fmt
-        self.text = ""
+        self.parser = ToolCallParser(fmt)
         self.ids: list[str] = []  # of the calls whose name was sent
         self._content_sent = 0
-        self._args_sent: list[int] = []
-        self.calls: list[ParsedCall] = []  # the last parse's
+        self._args_sent: list[int] = []  # characters of each call's arguments sent
+        self._settled = 0  # calls before this one are whole and wholly sent
+        self._whole: list[tuple[str, ParsedCall]] = []
+
+    @property
+    def text(self) -> str:
+        return self.parser.text
 
     @property
     def has_calls(self) -> bool:
@@ -38,34 +46,39 @@ class ToolCallStream:
     def feed(self, piece: str, final: bool = False) -> tuple[str, list[CallFragment]]:
         """The content and call fragments that `piece` (the next text) makes safe to send;
         `final`: the output ended with it."""
-        self.text += piece
-        parsed = parse(self.fmt, self.text, final)
-        content = ""
-        if len(parsed.content) > self._content_sent and not self.ids:
-            content = parsed.content[self._content_sent :]
-            self._content_sent = len(parsed.content)
+        parser = self.parser
+        parser.feed(piece, final)
+        text, content = parser.text, ""
+        end = parser.content_end
+        if end > self._content_sent and not self.ids:
+            content = text[self._content_sent : end]
+            self._content_sent = end
+        calls = parser.calls
         fragments = []
-        for index, call in enumerate(parsed.calls):
-            if call.name is None:
-                continue
+        for index in range(self._settled, len(calls)):
+            call = calls[index]
             if index == len(self.ids):
                 self.ids.append(new_call_id())
                 self._args_sent.append(0)
                 fragments.append(CallFragment(index, "", self.ids[index], call.name))
-            new = call.arguments[self._args_sent[index] :]
+            sent = self._args_sent[index]
+            if call.literal is not None:
+                new = call.literal[sent:]
+            else:
+                new = text[call.start + sent : call.end] if call.end > call.start + sent else ""
             if new:
-                self._args_sent[index] = len(call.arguments)
+                self._args_sent[index] = sent + len(new)
                 fragments.append(CallFragment(index, new))
-        self.calls = parsed.calls
+            if call.complete and index == self._settled:
+                self._settled += 1
+                self._whole.append(
+                    (self.ids[index], ParsedCall(call.name, call.arguments(text), True))
+                )
         return content, fragments
 
     def complete_calls(self) -> list[tuple[str, ParsedCall]]:
         """(id, call) of every call whose text is whole, in order."""
-        return [
-            (self.ids[i], call)
-            for i, call in enumerate(self.calls)
-            if call.complete and i < len(self.ids)
-        ]
+        return list(self._whole)
 
 
 def whole_output(fmt: ToolFormat, text: str) -> tuple[str | None, list[tuple[str, ParsedCall]]]:
