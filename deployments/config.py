@@ -221,6 +221,33 @@ class OperatorConfig(BaseModel):
     max_download_bytes: int = Field(
         64 << 30, ge=1, description="A repo or file larger than this is refused (413)."
     )
+    max_total_download_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="What models_dir may hold in all (the bytes on disk plus what queued and "
+        "running downloads still have to fetch); a download past it is refused (409). None: "
+        "no quota (the free-space floor still applies).",
+    )
+    min_free_disk_bytes: int = Field(
+        5 << 30,
+        ge=0,
+        description="Free space a download must leave on models_dir's filesystem, checked "
+        "before any byte and while fetching; below it: 507 (or the item ends in `error`).",
+    )
+    min_free_disk_fraction: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="The same floor as a fraction of that filesystem's size (the larger of "
+        "the two applies): Ray stops scheduling on a node past 95 % of its disk.",
+    )
+    state_path: str | None = Field(
+        None,
+        description="The SQLite file of the operator's own state (the download list, the "
+        "models started at run time) when `database.url` is not set; None: "
+        "<models_dir>/.shoal-operator/state.sqlite3, beside the files it describes. With "
+        "`database.url` the state is kept in that database.",
+    )
     max_concurrent_downloads: int = Field(2, ge=1)
     model_num_cpus: float = Field(
         1.0, gt=0, description="Ray CPUs for each replica of a model started at run time."

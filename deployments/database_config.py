@@ -32,6 +32,24 @@ class DatabaseConfig(BaseModel):
         return f"sqlite:///{path}"
 
 
+OPERATOR_STATE = ".shoal-operator/state.sqlite3"  # under models_dir: no repo id starts with "."
+
+
+def operator_state_url(database: DatabaseConfig, models_dir: str, state_path: str | None) -> str:
+    """Where the Operator keeps its own state (the download list, the models started at
+    run time): the app's database when it is a server's (`database.url`, which every node
+    reaches), else a SQLite file of its own, `state_path` or beside its downloads in
+    models_dir. Not the app's SQLite file: that one is the ingress's, on the ingress's
+    node, and a read-only home (KubeRay) or Assistants turned off must not stop the
+    operator; models_dir is the one place the operator must be able to write anyway, and
+    storage every node mounts, so the list moves with the files it describes."""
+    if database.url:
+        return database.url
+    path = Path(state_path or Path(models_dir) / OPERATOR_STATE).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
 def moved_database_keys(data: Any) -> Any:
     """`assistants.database_url` and `assistants.database_path`, the older spelling of
     `database.url` and `database.path` (from when Assistants alone had a database), are

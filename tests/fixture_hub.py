@@ -5,7 +5,10 @@ huggingface_hub uses to list a repo and fetch its files, over real HTTP on loopb
 - GET|HEAD /<owner>/<name>/resolve/<rev>/<path>: the bytes, with Range support
 
 `rate` slows file bodies to that many bytes a second (to cancel a download midway);
-`redirects` maps a repo file to a URL the hub answers 302 with (the SSRF tests).
+`redirects` maps a repo file to a URL the hub answers 302 with (the SSRF tests);
+`tampered` maps a repo file to other bytes of the same size, served in place of the ones
+the listing describes (its `lfs.sha256` for weights, its git `blobId` for the rest, as
+the Hub lists them).
 """
 
 import hashlib
@@ -25,6 +28,7 @@ class FixtureHub:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.rate: float | None = None
         self.redirects: dict[tuple[str, str], str] = {}
+        self.tampered: dict[tuple[str, str], bytes] = {}
         self.requests: list[str] = []
         self.ranges: list[tuple[str, int]] = []  # (path, first byte) of each ranged GET
         self.ignore_range = False  # answer 200 with the whole file, as some mirrors do
@@ -48,6 +52,21 @@ class FixtureHub:
         for name, data in sorted(self.repos[repo].items()):
             digest.update(name.encode() + hashlib.sha1(data).digest())
         return digest.hexdigest()
+
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")  # stored with Git LFS, as the Hub does
+
+
+def _sibling(name: str, data: bytes) -> dict:
+    """A file as the Hub's model info lists it with files_metadata: the git blob id of
+    its content (for an LFS file, of its pointer; here of the content, unused then), and
+    for an LFS file the content's sha256."""
+    blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    entry = {"rfilename": name, "size": len(data), "blobId": blob}
+    if name.endswith(LFS_SUFFIXES):
+        sha256 = hashlib.sha256(data).hexdigest()
+        entry["lfs"] = {"size": len(data), "sha256": sha256, "pointerSize": 134}
+    return entry
 
 
 def _handler(hub: FixtureHub) -> type[BaseHTTPRequestHandler]:
@@ -80,10 +99,7 @@ def _handler(hub: FixtureHub) -> type[BaseHTTPRequestHandler]:
                 if repo not in hub.repos:
                     self._json(404, {"error": "Repository not found"})
                     return
-                siblings = [
-                    {"rfilename": name, "size": len(data)}
-                    for name, data in sorted(hub.repos[repo].items())
-                ]
+                siblings = [_sibling(name, data) for name, data in sorted(hub.repos[repo].items())]
                 self._json(200, {"id": repo, "sha": hub.sha(repo), "siblings": siblings})
                 return
             m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
@@ -101,7 +117,7 @@ def _handler(hub: FixtureHub) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            data = hub.repos[repo][file]
+            data = hub.tampered.get((repo, file), hub.repos[repo][file])
             start = 0
             ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range", ""))
             if ranged and not hub.ignore_range:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from app.protocol.errors import NotFoundError, ShoalError
+from deployments.operator.disk import DiskLimits
 from deployments.operator.hub import (
     PART_SUFFIX,
     DownloadCancelled,
@@ -56,9 +57,14 @@ class DownloadManager:
         max_bytes: int,
         max_concurrent: int,
         publish: Callable[[dict[str, Any]], None],
+        limits: DiskLimits | None = None,
     ) -> None:
         self.hub, self.store, self.models_dir = hub, store, models_dir
         self.max_bytes = max_bytes
+        self.limits = limits or DiskLimits(None, 0, 0.0)
+        # Admitting a download (the quota and the free space, then its bytes reserved as
+        # a queued item) is one step at a time: two enqueues cannot both take the last room.
+        self.admitting = asyncio.Lock()
         self.publish = publish  # gets each changed item's API dict, on the event loop
         self.items: dict[tuple[str, str], DownloadState] = {}
         self.running: dict[tuple[str, str], _Progress] = {}
@@ -111,15 +117,19 @@ class DownloadManager:
                 f"server's limit of {self.max_bytes}",
                 param="modelRepo",
             )
-        if state is None:
-            state = DownloadState(key[0], key[1], "queued", created=int(time.time()))
-            self.items[key] = state
-        if state.commit is not None and state.commit != files.commit:
-            # Another commit: what is on disk is the old one's, never to be mixed in.
-            await asyncio.to_thread(self._remove_files, state)
-            state.downloaded_bytes = 0
-        state.status, state.error = "queued", None
-        state.commit, state.total_bytes = files.commit, files.total_bytes
+        async with self.admitting:
+            same = state is not None and state.commit == files.commit
+            incoming = self._to_come() + files.total_bytes - (state.downloaded_bytes if same else 0)
+            await asyncio.to_thread(self.limits.check, self.models_dir, incoming)
+            if state is None:
+                state = DownloadState(key[0], key[1], "queued", created=int(time.time()))
+                self.items[key] = state
+            if state.commit is not None and state.commit != files.commit:
+                # Another commit: what is on disk is the old one's, never to be mixed in.
+                await asyncio.to_thread(self._remove_files, state)
+                state.downloaded_bytes = 0
+            state.status, state.error = "queued", None
+            state.commit, state.total_bytes = files.commit, files.total_bytes
         await self._changed(state)
         self._spawn(state, files)
         return self.as_api(state)
@@ -232,6 +242,8 @@ class DownloadManager:
                 if written > file.size:
                     raise TooLargeError(f"the hub sent more than the {file.size} bytes listed")
                 state.downloaded_bytes = done + written
+                # The disk is shared: the floor holds while the bytes arrive too.
+                self.limits.check_free(self.models_dir, self._to_come())
                 t0, b0 = progress._mark
                 progress.speed_bps = max(0.0, (state.downloaded_bytes - b0) / max(now - t0, 1e-6))
                 progress._mark = (now, state.downloaded_bytes)
@@ -244,6 +256,11 @@ class DownloadManager:
             state.downloaded_bytes = done
         single = state.file_path and len(files.files) == 1
         state.location = str(into / files.files[0].path) if single else str(into)
+
+    def _to_come(self) -> int:
+        """The bytes the downloads queued or under way have still to fetch."""
+        active = [s for s in list(self.items.values()) if s.status in ACTIVE]
+        return sum(max(0, s.total_bytes - s.downloaded_bytes) for s in active)
 
     async def _stop(self, state: DownloadState) -> None:
         key = (state.model_repo, state.file_path)

@@ -7,6 +7,7 @@ keeps one client per process, so `Hub` installs its client factory: in a Serve r
 that process is the operator's own.
 """
 
+import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from huggingface_hub.errors import (
     HfHubHTTPError,
     RepositoryNotFoundError,
 )
+from huggingface_hub.hf_api import RepoSibling
 from tqdm import tqdm
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
@@ -45,6 +47,25 @@ class DownloadCancelled(Exception):
 class RemoteFile:
     path: str  # inside the repo
     size: int
+    # What the bytes must hash to, as the hub lists them: an LFS file's sha256, else the
+    # git blob id (sha1 of "blob <size>\0" + the bytes). None: the hub gave neither.
+    sha256: str | None = None
+    blob_id: str | None = None
+
+    def verify(self, path: Path) -> None:
+        """HubError unless the file at `path` hashes as listed."""
+        if self.sha256:
+            kind, want, digest = "sha256", self.sha256, hashlib.sha256()
+        elif self.blob_id:
+            kind, want, digest = "git blob id", self.blob_id, hashlib.sha1()
+            digest.update(b"blob %d\0" % self.size)
+        else:
+            return
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                digest.update(chunk)
+        if digest.hexdigest() != want.lower():
+            raise HubError(f"{self.path}: its {kind} is {digest.hexdigest()}, the hub lists {want}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +118,7 @@ class Hub:
             raise HubError(f"the hub answered {status or exc}") from None
         except httpx2.TransportError as exc:
             raise HubError(f"cannot reach {self.endpoint}: {exc}") from None
-        files = [RemoteFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
+        files = [_remote_file(s) for s in info.siblings or []]
         for f in files:  # a hostile mirror's listing must not write outside the repo's folder
             try:
                 check_file_path(f.path)
@@ -141,8 +162,20 @@ class Hub:
         if got != file.size:
             part.unlink()
             raise HubError(f"{file.path}: got {got} bytes, the hub listed {file.size}")
+        try:  # the whole file, a resumed part's earlier bytes included
+            file.verify(part)
+        except HubError:
+            part.unlink()  # a corrupt file is never kept, nor resumed from
+            raise
         part.replace(target)
         return target
+
+
+def _remote_file(sibling: RepoSibling) -> RemoteFile:
+    # An LFS file's blob id is its pointer's, not its content's: only its sha256 tells.
+    sha256 = sibling.lfs.sha256 if sibling.lfs else None
+    blob_id = None if sibling.lfs else sibling.blob_id
+    return RemoteFile(sibling.rfilename, int(sibling.size or 0), sha256, blob_id)
 
 
 def _progress_class(on_bytes: Callable[[int], None]) -> type[tqdm]:

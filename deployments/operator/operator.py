@@ -16,7 +16,9 @@ from ray import serve
 
 from app.protocol.errors import ConflictError, OverloadedError
 from deployments.config import AppConfig
+from deployments.database_config import operator_state_url
 from deployments.operator.catalog import catalog
+from deployments.operator.disk import DiskLimits
 from deployments.operator.downloads import DownloadManager
 from deployments.operator.events import EventLog
 from deployments.operator.hardware import cluster_hardware
@@ -58,7 +60,8 @@ class Operator:
         self.deployer = deployer or ServeDeployer(self.app_name, registry)
         op = config.operator
         policy = HostPolicy.for_hub(op.hub_endpoint, op.storage_hosts, op.private_hosts)
-        db = Database(config.database.sqlalchemy_url())
+        # Its own state, never the Assistants' SQLite file (database_config.py says why).
+        db = Database(operator_state_url(config.database, op.models_dir, op.state_path))
         self.downloads = DownloadManager(
             Hub(op.hub_endpoint, op.hub_token, policy),
             DownloadStore(db, self.app_name),
@@ -66,6 +69,9 @@ class Operator:
             op.max_download_bytes,
             op.max_concurrent_downloads,
             publish=lambda item: self.events.publish("download_status", item),
+            limits=DiskLimits(
+                op.max_total_download_bytes, op.min_free_disk_bytes, op.min_free_disk_fraction
+            ),
         )
         self.inference = InferenceManager(
             config,

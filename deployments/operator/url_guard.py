@@ -9,6 +9,12 @@ meet it too:
 - the socket connects to the address that was checked, never to a second lookup, so a
   name that answers a public address first and a private one next (DNS rebinding)
   cannot slip through. TLS still verifies the certificate against the host name.
+- every request is https, checked on each request of a redirect chain: a redirect that
+  downgrades to plain http (whose bytes anyone on the path may read or change) is
+  refused. The one exception is a hub endpoint configured as http:// (a mirror inside
+  the cluster, the tests' local hub): its own origin (scheme, host and port) keeps http,
+  since whoever configured it chose that; a redirect from it to any other origin,
+  storage hosts included, must still be https.
 
 `guarded_client()` is an httpx2 client (huggingface_hub's HTTP library) with this guard
 as its network backend and no proxies from the environment.
@@ -51,10 +57,12 @@ class HostPolicy:
         allowed_hosts: Iterable[str],
         private_hosts: Iterable[str] = (),
         resolver: Resolver = system_resolver,
+        plain_http: Iterable[str] = (),
     ) -> None:
         self.allowed = {h.lower().rstrip(".") for h in allowed_hosts}
         self.private = {h.lower().rstrip(".") for h in private_hosts}
         self.resolver = resolver
+        self.plain_http = {o.lower() for o in plain_http}  # "host:port" origins kept on http
 
     @classmethod
     def for_hub(
@@ -64,8 +72,23 @@ class HostPolicy:
         private_hosts: Iterable[str] = (),
         resolver: Resolver = system_resolver,
     ) -> "HostPolicy":
-        hub = urlsplit(endpoint).hostname or ""
-        return cls([hub, *storage_hosts], private_hosts, resolver)
+        parts = urlsplit(endpoint)
+        hub = parts.hostname or ""
+        plain = [f"{hub}:{parts.port or 80}"] if parts.scheme == "http" else []
+        return cls([hub, *storage_hosts], private_hosts, resolver, plain)
+
+    def check_request(self, request: httpx2.Request) -> None:
+        """Before each request, redirects included: https, or the http hub's own origin."""
+        url = request.url
+        host = (url.host or "").lower().rstrip(".")
+        if host not in self.allowed:
+            raise TargetRefusedError(f"downloads may not reach {host!r}: not the configured hub")
+        if url.scheme == "https" or f"{host}:{url.port or 80}" in self.plain_http:
+            return
+        raise TargetRefusedError(
+            f"downloads may not use plain http ({url.scheme}://{host}): only https, but for "
+            "a hub endpoint configured as http://"
+        )
 
     def address(self, host: str, port: int) -> str:
         """The checked address to connect to for `host`; TargetRefusedError otherwise."""
@@ -119,4 +142,5 @@ def guarded_client(
         timeout=httpx2.Timeout(timeout_s, connect=10.0),
         trust_env=False,
         headers=headers,
+        event_hooks={"request": [policy.check_request]},
     )

@@ -224,8 +224,9 @@ def test_refusals(hub, tmp_path):
     ("target", "reason"),
     [
         ("http://169.254.169.254/latest/meta-data", "not the configured hub"),
-        # An allowed storage host that resolves to loopback: refused for its address.
-        ("http://localhost:{port}/x", "non-public"),
+        # An allowed storage host that resolves to loopback: refused for its address (over
+        # https: plain http to a storage host is refused first, test_download_safety.py).
+        ("https://localhost:{port}/x", "non-public"),
     ],
 )
 def test_a_redirect_off_the_hub_or_to_a_private_address_is_refused(hub, tmp_path, target, reason):
@@ -289,7 +290,12 @@ def test_the_connection_goes_to_the_address_checked_never_a_second_lookup(hub):
         return ["127.0.0.1"]
 
     port = hub.url.rsplit(":", 1)[1]
-    trusted = HostPolicy(["rebind.test"], private_hosts=["rebind.test"], resolver=resolver)
+    trusted = HostPolicy(
+        ["rebind.test"],
+        private_hosts=["rebind.test"],
+        resolver=resolver,
+        plain_http=[f"rebind.test:{port}"],  # an http:// hub's origin, as for_hub allows it
+    )
     with guarded_client(trusted, timeout_s=5) as client:
         assert client.get(f"http://rebind.test:{port}/api/models/{REPO}").status_code == 200
     assert asked == ["rebind.test"]
