@@ -255,6 +255,12 @@ class OperatorConfig(BaseModel):
     model_start_timeout_s: float = Field(
         900.0, gt=0, description="A model started at run time that is not serving by then fails."
     )
+    max_runtime_models: int = Field(
+        4,
+        ge=0,
+        description="Models started at run time (/api/inference/start, Ollama's pull and "
+        "create) that may be starting or serving at once; one more is refused (409).",
+    )
     drain_timeout_s: float = Field(
         60.0, gt=0, description="How long /api/shutdown waits for open requests to finish."
     )

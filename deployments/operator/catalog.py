@@ -7,14 +7,17 @@ quantisation, plus the KV cache the engine reserves. A model is inferable when t
 in the memory free on the cluster's roomiest node (one replica lives on one node).
 """
 
+import contextlib
 import json
 import struct
 from pathlib import Path
 from typing import Any
 
 from app.engine.config import EngineConfig
-from app.models.source import DEFAULT_MODEL, resolve_model
+from app.models.source import DEFAULT_MODEL, default_model_path, resolve_model
+from app.protocol.errors import ModelLoadError
 from deployments.config import AppConfig
+from deployments.operator.sources import on_disk
 
 WEIGHT_BYTES = 2  # bfloat16
 
@@ -142,4 +145,27 @@ def catalog(
     for repo, items in by_repo.items():
         aliases = [a for a, r in running.items() if r == repo]
         models.append(_model(repo, repo.split("/")[0], "hub", items, mem, running=aliases))
+    return models + _on_disk(config, set(by_repo), running, mem)
+
+
+def _on_disk(config: AppConfig, listed: set[str], running: dict[str, str], mem: dict) -> list:
+    """The installed model package and what lies under models_dir that no download made
+    (copied there, a volume, an earlier install): each startable by its name as
+    modelRepo."""
+    found: list[tuple[str, str, Path, list[str]]] = []
+    with contextlib.suppress(ModelLoadError):  # not installed: nothing to list
+        found.append(("default", "package", default_model_path(), [""]))
+    root = Path(config.operator.models_dir).expanduser()
+    for name, files in on_disk(root):
+        if not any(name == r or name.startswith(f"{r}/") for r in listed):
+            found.append((name, "local", root / name, files))
+    models = []
+    for name, vendor, path, files in found:
+        items = []
+        for file in files:
+            where = path / file if file else path
+            need = memory_required(where, EngineConfig())
+            items.append(_item(name, file, str(where), True, need, mem["available"]))
+        aliases = [a for a, r in running.items() if r == name]
+        models.append(_model(name, vendor, str(path), items, mem, running=aliases))
     return models

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +26,9 @@ logger = logging.getLogger("ray.serve")
 ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")  # Ollama names: '/' and ':'
 
 LIVE = ("queued", "preparing", "inferring", "cancelling")
+POLL_S = 0.5  # how often a starting alias's application is looked at
+CALL_S = 10.0  # a stop waits this long for a call to Serve under way to return
+REMOVE_WAIT_S = 10.0  # and this long for the application to be gone
 
 
 def _log_failure(future: "asyncio.Future[None]") -> None:
@@ -35,11 +38,16 @@ def _log_failure(future: "asyncio.Future[None]") -> None:
 
 class Deployer(Protocol):
     """Puts a model's deployment on the cluster and takes it off (deployments/operator/
-    serve_deployer.py on Serve). All block: they run in worker threads."""
+    serve_deployer.py on Serve). Each call is short (it asks and returns, never waits for
+    replicas), made in the manager's own worker threads; `state` is polled."""
 
     def deploy(self, config: ModelDeploymentConfig) -> None: ...
 
     def remove(self, alias: str) -> None: ...
+
+    def state(self, alias: str) -> tuple[str, str]:
+        """(status, message): "" (none), DEPLOYING, RUNNING, DEPLOY_FAILED, DELETING, ..."""
+        ...
 
     def is_running(self, alias: str) -> bool: ...
 
@@ -95,19 +103,25 @@ class InferenceManager:
         self,
         config: AppConfig,
         deployer: Deployer,
-        locate: Callable[[str, str | None], Path | None],
+        locate: Callable[[str, str | None], Path],
         publish: Callable[[dict[str, Any]], None],
         store: ItemStore | None = None,
     ) -> None:
         self.config = config
         self.deployer = deployer
-        self.locate = locate  # (modelRepo, filePath) -> a complete download, or None
+        self.locate = locate  # (modelRepo, filePath) -> the weights (sources.py), or raises
         self.publish = publish
         self.store = store
         # One writer thread: the saves of an item land in the order they were made.
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="shoal-inference-store")
+        # Serve's calls, apart from the loop's default pool (the catalog, downloads): each
+        # is short, so however many aliases wait for replicas, stop and reset still answer.
+        self.serve_calls = ThreadPoolExecutor(4, thread_name_prefix="shoal-deployer")
         self.items: dict[str, WingmanItem] = {}
         self.tasks: dict[str, asyncio.Task] = {}
+
+    async def _serve(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.serve_calls, fn, *args)
 
     async def start(self) -> None:
         """Load the items a previous operator left: an alias whose application still
@@ -119,9 +133,9 @@ class InferenceManager:
             self.items[item.alias] = item
             if item.status not in LIVE:
                 continue
-            running = await asyncio.to_thread(self.deployer.is_running, item.alias)
+            running = await self._serve(self.deployer.is_running, item.alias)
             if item.status == "cancelling":
-                await self._guarded(asyncio.to_thread, self.deployer.remove, item.alias, item=item)
+                await self._remove(item)
                 item.status = "complete"
             elif running:
                 item.status = "inferring"
@@ -150,6 +164,8 @@ class InferenceManager:
         gpu_layers: int = 0,
         chat_template: str = "",
     ) -> dict[str, Any]:
+        """Start `alias` from `model_repo` (a model package, a download, a path under
+        models_dir: sources.py); returns at once, the item queued."""
         if not ALIAS.match(alias) or ".." in alias:
             raise InvalidRequestError(f"alias {alias!r}: letters, digits and . _ - / :", "alias")
         if self.config.model(alias) is not None or alias == self.config.embeddings.name:
@@ -161,12 +177,19 @@ class InferenceManager:
         current = self.items.get(alias)
         if current is not None and current.status in LIVE:
             raise ConflictError(f"{alias!r} is {current.status}: stop it first", "alias")
-        location = self.locate(model_repo, file_path)
-        if location is None:
-            raise NotFoundError(
-                f"{model_repo} {file_path or ''} is not downloaded: /api/downloads/enqueue it",
-                "modelRepo",
+        live = sum(1 for i in self.items.values() if i.status in LIVE)
+        limit = self.config.operator.max_runtime_models
+        if live >= limit:
+            raise ConflictError(
+                f"{live} models started at run time already (max_runtime_models {limit}): "
+                "stop one first",
+                "alias",
             )
+        configured = self.config.model(model_repo)
+        if configured is not None and not file_path:  # the configured weights, again
+            location: Path | str = configured.engine.model
+        else:
+            location = await asyncio.to_thread(self.locate, model_repo, file_path)
         engine = EngineConfig(model=str(location), max_model_len=context_size or None)
         item = WingmanItem(alias, model_repo, file_path or "", context_size, gpu_layers)
         item.config = ModelDeploymentConfig(
@@ -178,16 +201,17 @@ class InferenceManager:
         return item.as_api()
 
     async def stop(self, alias: str) -> dict[str, Any]:
+        """Stop `alias`, a starting one too (its application is deleted); it answers
+        whatever Serve is doing with the replicas (they go on going away after)."""
         item = self._find(alias)
         if item.status in LIVE:
             item.status = "cancelling"
             self._changed(item)
-            await self._guarded(asyncio.to_thread, self.deployer.remove, alias, item=item)
             task = self.tasks.get(alias)
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
-                # A deploy that reached Serve after the first removal is taken off too.
-                await self._guarded(asyncio.to_thread, self.deployer.remove, alias, item=item)
+            if task is not None:  # polling, or in one short call to Serve: it ends soon
+                await asyncio.wait({task}, timeout=CALL_S)
+            await self._remove(item)
+            await self._gone(alias, REMOVE_WAIT_S)
             if item.status == "cancelling":
                 item.status = "complete"
                 self._changed(item)
@@ -217,44 +241,72 @@ class InferenceManager:
             item.status = "preparing"
             self._changed(item)
             assert item.config is not None
-            await self._guarded(self._deploy_within, item.config, item=item)
+            try:
+                await self._deploy_within(item)
+            except Exception as exc:
+                await self._failed(item, exc)
+                return
             if item.status == "preparing":
                 item.status = "inferring"
                 self._changed(item)
         finally:
             self.tasks.pop(item.alias, None)
 
-    async def _deploy_within(self, config: ModelDeploymentConfig) -> None:
-        """Deploy, or fail after model_start_timeout_s (replicas Serve cannot place, say,
-        would leave it waiting for ever); the caller then takes it off again."""
-        deploying = asyncio.ensure_future(asyncio.to_thread(self.deployer.deploy, config))
-        # Once taken off after a timeout, the deploy ends with an error nobody awaits.
-        deploying.add_done_callback(lambda f: f.cancelled() or f.exception())
+    async def _deploy_within(self, item: WingmanItem) -> None:
+        """Hand the application to Serve and poll it until its replicas run, or fail
+        after model_start_timeout_s (replicas Serve cannot place, say, would leave it
+        waiting for ever). A stop meanwhile ends the wait: it deletes the application."""
+        assert item.config is not None
         limit = self.config.operator.model_start_timeout_s
-        done, _ = await asyncio.wait({deploying}, timeout=limit)
-        if not done:
-            raise TimeoutError(f"{config.name} did not start within {limit:g} s")
-        deploying.result()
+        deadline = time.monotonic() + limit
+        # The application of an earlier start of this alias, still being deleted.
+        if not await self._gone(item.alias, limit):
+            raise TimeoutError(f"{item.alias}'s previous application is still being deleted")
+        if item.status != "preparing":
+            return
+        await self._serve(self.deployer.deploy, item.config)
+        handed = time.monotonic()
+        while item.status == "preparing":
+            status, message = await self._serve(self.deployer.state, item.alias)
+            if status == "RUNNING":
+                return
+            # None at all, a moment after the deploy: deleted from outside.
+            gone = status == "" and time.monotonic() - handed > CALL_S
+            if status in ("DEPLOY_FAILED", "DELETING") or gone:
+                raise RuntimeError(message or f"{item.alias}: Serve says {status or 'gone'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{item.alias} did not start within {limit:g} s"
+                    + (f": {message}" if message else "")
+                )
+            await asyncio.sleep(POLL_S)
+        if item.status == "cancelling":  # a stop that did not wait for the deploy above
+            await self._remove(item)
 
-    async def _guarded(
-        self, fn: Callable[..., Awaitable[None]], *args: Any, item: WingmanItem
-    ) -> None:
-        """Run a deploy or remove; a failure puts the item in error with its reason."""
-        try:
-            await fn(*args)
-        except Exception as exc:
-            logger.warning("inference %s: %r", item.alias, exc)
-            if item.status != "cancelling":
-                item.status, item.error = "error", str(exc)[:2000] or type(exc).__name__
-                self._changed(item)
-                # A half-made application holds resources: take it off again.
-                await asyncio.to_thread(self._remove_quietly, item.alias)
+    async def _gone(self, alias: str, limit: float) -> bool:
+        """Whether the alias has no application (waiting up to `limit` for a deletion)."""
+        deadline = time.monotonic() + limit
+        while (await self._serve(self.deployer.state, alias))[0]:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
 
-    def _remove_quietly(self, alias: str) -> None:
+    async def _failed(self, item: WingmanItem, exc: Exception) -> None:
+        """A deploy failed: the item in error with its reason, the half-made
+        application (it holds resources) taken off."""
+        logger.warning("inference %s: %r", item.alias, exc)
+        if item.status == "cancelling":
+            return
+        item.status, item.error = "error", str(exc)[:2000] or type(exc).__name__
+        self._changed(item)
+        await self._remove(item)
+
+    async def _remove(self, item: WingmanItem) -> None:
         try:
-            self.deployer.remove(alias)
+            await self._serve(self.deployer.remove, item.alias)
         except Exception as exc:
-            logger.warning("inference %s: removing it failed: %r", alias, exc)
+            logger.warning("inference %s: removing it failed: %r", item.alias, exc)
 
     def _changed(self, item: WingmanItem) -> None:
         item.updated = int(time.time())

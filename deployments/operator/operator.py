@@ -14,9 +14,10 @@ from typing import Any
 
 from ray import serve
 
-from app.protocol.errors import ConflictError, OverloadedError
+from app.protocol.errors import ConflictError, InvalidRequestError, OverloadedError
 from deployments.config import AppConfig
 from deployments.database_config import operator_state_url
+from deployments.operator import sources
 from deployments.operator.catalog import catalog
 from deployments.operator.disk import DiskLimits
 from deployments.operator.downloads import DownloadManager
@@ -76,7 +77,7 @@ class Operator:
         self.inference = InferenceManager(
             config,
             self.deployer,
-            self.downloads.location,
+            self._locate,
             publish=lambda item: self.events.publish("inference_status", item),
             store=InferenceStore(db, self.app_name),
         )
@@ -84,6 +85,21 @@ class Operator:
         self.inflight: dict[str, int] = {}  # ingress replica -> requests open, while draining
         self._started: asyncio.Task | None = None
         self._hardware: tuple[float, dict] = (0.0, {})
+
+    def _locate(self, model_repo: str, file_path: str | None) -> Path:
+        """The weights a model started at run time loads (sources.py)."""
+
+        def downloaded(repo: str, path: str | None) -> Path | None:
+            try:
+                return self.downloads.location(repo, path)
+            except InvalidRequestError:  # no repo id: a package or a path, not a download
+                return None
+
+        def downloading(repo: str) -> bool:
+            return any(d["status"] in ("queued", "downloading") for d in self.downloads.list(repo))
+
+        models_dir = Path(self.config.operator.models_dir)
+        return sources.locate(models_dir, model_repo, file_path, downloaded, downloading)
 
     async def _start(self) -> None:
         if self._started is None:
@@ -176,6 +192,13 @@ class Operator:
         return await asyncio.to_thread(
             catalog, self.config, self.downloads.list(), running, hardware
         )
+
+    async def local_models(self) -> list[dict[str, Any]]:
+        """What can be started without a download, as Ollama names it (`repo` or
+        `repo:file.gguf`): the model package, complete downloads, files under models_dir."""
+        await self._start()
+        root = Path(self.config.operator.models_dir).expanduser()
+        return await asyncio.to_thread(sources.local_names, root, self.downloads.list())
 
     # ---- drain --------------------------------------------------------------------------
     async def drain(self, reason: str = "api") -> dict[str, Any]:

@@ -1,5 +1,10 @@
 """The operator's Deployer on Serve: each alias is an application of its own, named after
-the Shoal app that started it, with no HTTP route (the ingress reaches it by handle)."""
+the Shoal app that started it, with no HTTP route (the ingress reaches it by handle).
+
+Every call returns at once: a deploy hands the application to Serve's controller without
+waiting for its replicas (an alias Serve cannot place would wait for ever, holding a
+thread), and the operator polls `state` instead.
+"""
 
 import logging
 from typing import Any
@@ -8,9 +13,16 @@ import ray
 from ray import serve
 
 from deployments.config import ModelDeploymentConfig
-from deployments.model_deployment import model_deployment, serve_name
+from deployments.model_deployment import model_deployment
 
 logger = logging.getLogger("ray.serve")
+
+
+def app_suffix(alias: str) -> str:
+    """An alias as a Serve application's name may spell it ('/' is not allowed), one to
+    one: '_' is the escape ('_' -> '__', '/' -> '_s'), so 'x/y' and any other alias (the
+    hashed 'x-y-<sha1[:8]>' that serve_name makes of it, say) never share an app."""
+    return alias.replace("_", "__").replace("/", "_s")
 
 
 class ServeDeployer:
@@ -19,22 +31,33 @@ class ServeDeployer:
         self.registry = registry  # the EngineRegistry's handle: the alias reports there too
 
     def app_for(self, alias: str) -> str:
-        return f"{self.app_name}--{serve_name(alias)}"
+        return f"{self.app_name}--{app_suffix(alias)}"
 
     def deploy(self, config: ModelDeploymentConfig) -> None:
-        """Returns once the alias's replicas are running; raises if Serve gives up."""
-        serve.run(
+        """Hands the alias's application to Serve and returns once Serve has it (not once
+        its replicas run: `state` tells)."""
+        target = serve.RunTarget(
             model_deployment(config, self.registry),
             name=self.app_for(config.name),
             route_prefix=None,
         )
+        serve.run_many([target], wait_for_applications_running=False)
 
     def remove(self, alias: str) -> None:
-        serve.delete(self.app_for(alias))
+        """Asks Serve to delete the alias's application; returns before it is gone."""
+        serve.delete(self.app_for(alias), _blocking=False)
+
+    def state(self, alias: str) -> tuple[str, str]:
+        """(Serve's status of the alias's application, its message); ("", "") when there
+        is none."""
+        app = serve.status().applications.get(self.app_for(alias))
+        status = "" if app is None else getattr(app.status, "value", str(app.status))
+        if status in ("", "NOT_STARTED"):
+            return "", ""
+        return status, app.message or ""
 
     def is_running(self, alias: str) -> bool:
-        app = serve.status().applications.get(self.app_for(alias))
-        return app is not None and app.status == "RUNNING"
+        return self.state(alias)[0] == "RUNNING"
 
     def teardown(self, apps: list[str], own: str) -> None:
         """Delete `apps` and this app from outside them (the caller is one of their

@@ -91,12 +91,32 @@ async def _pull(ingress: Ingress, repo: str, file_path: str | None, alias: str):
         raise ShoalError(f"pulling {repo} ended {item['status']}: {item['error']}")
     yield {"status": "verifying sha256 digest"}
     yield {"status": "writing manifest"}
+    async for step in load(ingress, alias, repo, file_path):
+        yield step
+
+
+async def load(ingress: Ingress, alias: str, repo: str, file_path: str | None):  # noqa: ANN201
+    """Start `alias` from `repo` (a download, a model package, a path under models_dir)
+    unless it is served or starting already, and wait until it serves."""
+    await begin(ingress, alias, repo, file_path)
+    async for step in loaded(ingress, alias):
+        yield step
+
+
+async def begin(ingress: Ingress, alias: str, repo: str, file_path: str | None) -> None:
+    """Start `alias` unless it is served or on its way (a refusal is raised here)."""
+    if ingress.find_model(alias) is not None:
+        return
+    running = await manage(ingress, "inference.list", alias)
+    if not running or running[0]["status"] not in ("queued", "preparing", "inferring"):
+        if running:
+            await manage(ingress, "inference.reset", alias)
+        await manage(ingress, "inference.start_alias", alias, repo, file_path, 0, 0, "")
+
+
+async def loaded(ingress: Ingress, alias: str):  # noqa: ANN201
+    """Steps until `alias` (started) serves; its failure is raised."""
     if ingress.find_model(alias) is None:
-        running = await manage(ingress, "inference.list", alias)
-        if not running or running[0]["status"] not in ("queued", "preparing", "inferring"):
-            if running:
-                await manage(ingress, "inference.reset", alias)
-            await manage(ingress, "inference.start_alias", alias, repo, file_path, 0, 0, "")
         yield {"status": "loading model"}
         while ingress.find_model(alias) is None:
             items = await manage(ingress, "inference.list", alias)

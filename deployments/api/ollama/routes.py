@@ -17,6 +17,7 @@ from app.protocol.sampling import SamplingParams
 from app.text.go_template import TemplateError, render
 from app.text.reasoning import ReasoningFormat
 from app.text.reasoning_grammar import thinking_first
+from deployments.api.ollama.local import local_tags
 from deployments.api.ollama.replies import respond
 from deployments.api.ollama.schema import (
     OllamaChatRequest,
@@ -58,7 +59,9 @@ async def version() -> dict:
 
 @router.get("/api/tags")
 async def tags(ingress: IngressDep) -> dict:
-    return {"models": [_entry(ingress, name) for name in _all_models(ingress)]}
+    served = _all_models(ingress)
+    on_disk = await local_tags(ingress, served)  # startable by name, not served yet
+    return {"models": [_entry(ingress, name) for name in served] + on_disk}
 
 
 @router.get("/api/ps")

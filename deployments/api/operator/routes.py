@@ -28,6 +28,9 @@ Repo = Annotated[str, Query(alias="modelRepo", min_length=1, max_length=200)]
 OptionalRepo = Annotated[str | None, Query(alias="modelRepo", max_length=200)]
 FilePath = Annotated[str | None, Query(alias="filePath", max_length=512)]
 Alias = Annotated[str, Query(min_length=1, max_length=128)]
+# What a model started at run time loads: a Hub repo downloaded, a model package
+# (`default`), or a path under models_dir (deployments/operator/sources.py).
+Source = Annotated[str, Query(alias="modelRepo", min_length=1, max_length=1024)]
 
 
 # ---- catalog and hardware ---------------------------------------------------------------
@@ -82,7 +85,7 @@ async def inference_status(ingress: IngressDep, alias: str | None = None) -> lis
 async def inference_start(
     ingress: IngressDep,
     alias: Alias,
-    model_repo: Repo,
+    model_repo: Source,
     file_path: FilePath = None,
     context_size: Annotated[int, Query(alias="contextSize", ge=0, le=1 << 20)] = 0,
     gpu_layers: Annotated[int, Query(alias="gpuLayers", ge=-1, le=1000)] = 0,
@@ -90,7 +93,9 @@ async def inference_start(
     address: str = "",
     port: int = 0,
 ) -> dict:
-    """`address` and `port` are accepted and unused: Serve places the replicas and the
+    """`modelRepo`: a downloaded Hub repo, an installed model package (`default`), a
+    configured model's name, or a GGUF file or model directory under models_dir.
+    `address` and `port` are accepted and unused: Serve places the replicas and the
     ingress reaches them by handle; clients use the alias as `model`."""
     return await manage(
         ingress,
