@@ -12,6 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import yaml
 
 from tests.k8s.kube import (
     K8S,
@@ -34,6 +35,7 @@ from tests.k8s.kube import (
     reachable,
     requires_crds,
     schema_errors,
+    serve_config,
     volumes,
     worker_group,
     worker_labels,
@@ -477,3 +479,69 @@ def test_every_ray_pod_mounts_the_config_secret_at_config_path(pod: str) -> None
     assert [i["path"] for i in secret["items"]] == [relative]
     assert [i["key"] for i in secret["items"]] == ["config.yaml"]
     assert secret["defaultMode"] & 0o007 == 0, "not world-readable"
+
+
+# ---------------------------------------------------------------- where the app writes
+
+
+def _app_config_on_a_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, secret: Doc, **args: Any
+) -> Any:
+    """The AppConfig as the application's replicas get it: serveConfigV2's args over the
+    shoal-config file, with its runtime_env's variables set (Serve sets them for the build
+    and for every replica)."""
+    from deployments.config import AppArgs
+
+    (application,) = serve_config()["applications"]
+    for name, value in application["runtime_env"]["env_vars"].items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(secret))
+    return AppArgs.model_validate({**app_args(), **args, "config_path": str(path)}).resolve()
+
+
+@pytest.mark.parametrize("database", ["postgresql+psycopg://shoal:pw@postgres/shoal", None])
+def test_every_path_the_app_writes_is_on_a_writable_volume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, database: str | None
+) -> None:
+    """The workers run every replica (the head takes none) on a read-only root: downloads,
+    the operator's state, the app's SQLite file (when no database.url), converted
+    tokenizers and the Hugging Face cache must each be on a volume mounted writable."""
+    from deployments.database_config import operator_state_url
+
+    secret = {"api_keys": ["k"], "database": {"url": database} if database else {}}
+    # Without database.url only one ingress replica may run (each would have its own file).
+    replicas = {} if database else {"ingress_replicas": 1}
+    config = _app_config_on_a_worker(tmp_path, monkeypatch, secret, **replicas)
+    worker = ray_container(worker_group())
+    assert worker["securityContext"]["readOnlyRootFilesystem"] is True
+    env = serve_config()["applications"][0]["runtime_env"]["env_vars"]
+    models_dir = config.operator.models_dir
+    state = config.operator.state_path or f"{models_dir}/.shoal-operator/state.sqlite3"
+    written = {
+        "models_dir": models_dir,
+        "the operator's state": state,
+        "the app's SQLite file": config.database.path,
+        "converted tokenizers": env["SHOAL_CACHE_DIR"],
+        "the Hugging Face cache": env["HF_HOME"],
+    }
+    if database:
+        assert operator_state_url(config.database, models_dir, None) == database
+    for what, path in written.items():
+        assert PurePosixPath(path).is_absolute(), f"{what}: {path} (no home on a pod)"
+        mount = mount_for(worker, path)
+        assert mount, f"{what} ({path}) is on the read-only root"
+        assert not mount.get("readOnly"), f"{what} ({path}) is on a read-only mount"
+        assert mount["name"] in volumes("worker"), mount["name"]
+
+
+def test_downloads_are_on_storage_every_worker_shares() -> None:
+    """The Operator downloads on one worker; an alias's replica loads the files on any."""
+    (application,) = serve_config()["applications"]
+    models_dir = application["runtime_env"]["env_vars"]["SHOAL_MODELS_DIR"]
+    mount = mount_for(ray_container(worker_group()), models_dir)
+    assert mount and mount["mountPath"] == models_dir
+    claim_name = volumes("worker")[mount["name"]]["persistentVolumeClaim"]["claimName"]
+    claim = one("PersistentVolumeClaim", claim_name)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
