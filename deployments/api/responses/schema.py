@@ -3,17 +3,24 @@ tools, a constraint and neutral SamplingParams.
 
 Strict like the other OpenAI schemas: an unknown field is a 400 naming it; a field this
 server does not honour is accepted only with a value that asks for nothing. Input items
-are messages (text parts only), function calls and their outputs, and reasoning items
-(an earlier turn's thinking, given to the template with the assistant turn after it).
+(items.py) are messages (text parts only), function calls and their outputs, and
+reasoning items (an earlier turn's thinking, given to the template with the assistant
+turn after it), each with exactly its own fields.
 """
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.sampling import Constraint, SamplingParams, sampling_params
+from deployments.api.responses.items import (
+    NOT_SUPPORTED,
+    FunctionCallItem,
+    MessageItem,
+    ReasoningItem,
+    input_items,
+)
 from deployments.api.structured import (
     MAX_TOOLS,
     FunctionDef,
@@ -27,7 +34,6 @@ from deployments.api.structured import (
     drop_inert,
 )
 
-NOT_SUPPORTED = "is not supported by this server"
 # Fields this server does not honour, with the values that ask for nothing.
 INERT_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning": (None, {}),
@@ -41,7 +47,6 @@ INERT_FIELDS: dict[str, tuple[Any, ...]] = {
     "context_management": (None,),
     "moderation": (None,),
 }
-TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class FunctionTool(BaseModel):
@@ -78,7 +83,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # None: the one model served
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # list: InputItems (items.py), checked one by one
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -103,6 +108,11 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _inert(cls, data: Any) -> Any:
         return drop_inert(data, INERT_FIELDS)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        return input_items(value) if isinstance(value, list) else value
 
     @model_validator(mode="after")
     def _checks(self) -> "ResponsesRequest":
@@ -158,99 +168,35 @@ class ResponsesRequest(BaseModel):
         return sampling_params(fields, {"max_tokens": "max_output_tokens"})
 
     def input_items(self) -> list[dict[str, Any]]:
-        """The input as a list of items (a string is one user message)."""
+        """The input as a list of items, as the client gave them (a string is one user
+        message): what a stored response lists."""
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": self.input}]
-        return self.input
+        return [item.model_dump(exclude_unset=True) for item in self.input]
 
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat-template messages: function calls become an
         assistant's tool_calls (consecutive ones, one message), their outputs tool
         messages, reasoning items the next assistant message's reasoning_content."""
+        items = self.input if isinstance(self.input, list) else []
+        if isinstance(self.input, str):
+            items = [MessageItem(role="user", content=self.input)]
         out: list[dict[str, Any]] = []
         thinking: list[str] = []  # reasoning items waiting for their assistant turn
-        for i, item in enumerate(self.input_items()):
-            where = f"input[{i}]"
-            kind = item.get("type", "message")
-            if kind == "reasoning":
-                thinking.append(_reasoning_text(item, where))
+        for i, item in enumerate(items):
+            if isinstance(item, ReasoningItem):
+                thinking.append(item.text())
                 continue
-            if kind == "message":
-                out.append(_message(item, where))
-            elif kind == "function_call":
-                call = _function_call(item, where)
+            if isinstance(item, FunctionCallItem):
+                call = item.call(f"input[{i}]")
                 last = out[-1] if out else None
                 if last and last["role"] == "assistant" and last.get("tool_calls"):
                     last["tool_calls"].append(call)
                 else:
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif kind == "function_call_output":
-                out.append(_function_output(item, where))
             else:
-                raise InvalidRequestError(
-                    f"{where}: items of type {kind!r} {NOT_SUPPORTED}", "input"
-                )
+                out.append(item.message())
             if thinking and out[-1]["role"] == "assistant":
                 out[-1]["reasoning_content"] = "".join(thinking)
                 thinking = []
         return out
-
-
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = item.get("role")
-    if role not in ("user", "assistant", "system", "developer"):
-        raise InvalidRequestError(
-            f"{where}: role must be user, assistant, system or developer", "input"
-        )
-    content = item.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(
-                    f"{where}: content parts of type {kind!r} {NOT_SUPPORTED}", "input"
-                )
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise InvalidRequestError(f"{where}: content is text or a list of text parts", "input")
-    return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its reasoning_text parts, else its summary's."""
-    parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list) or not all(
-        isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
-    ):
-        raise InvalidRequestError(f"{where}: a reasoning item's parts are text", "input")
-    return "".join(p["text"] for p in parts)
-
-
-def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    for key in ("call_id", "name", "arguments"):
-        if not isinstance(item.get(key), str):
-            raise InvalidRequestError(f"{where}: a function_call needs {key}", "input")
-    try:
-        arguments = json.loads(item["arguments"])
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(
-            f"{where}: arguments are not valid JSON ({exc})", "input"
-        ) from exc
-    function = {"name": item["name"], "arguments": arguments}
-    return {"id": item["call_id"], "type": "function", "function": function}
-
-
-def _function_output(item: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(item.get("call_id"), str):
-        raise InvalidRequestError(f"{where}: a function_call_output needs call_id", "input")
-    output = item.get("output", "")
-    if isinstance(output, list):  # input_text parts: their text (other parts as JSON)
-        output = "".join(
-            p["text"] if isinstance(p, dict) and p.get("type") == "input_text" else json.dumps(p)
-            for p in output
-        )
-    elif not isinstance(output, str):
-        output = json.dumps(output)
-    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}

@@ -27,6 +27,7 @@ class Turn:
     reused: int  # prompt tokens the chain's context already held
     new_messages: list[dict[str, Any]]
     fmt: ToolFormat | None
+    owner: str | None = None  # the id of the key that asked
 
     def body(self, status: str, output: list[dict], gen: Generation | None) -> dict[str, Any]:
         req = self.req
@@ -88,6 +89,7 @@ class Turn:
                     self.req.input_items(),
                     messages,
                     body,
+                    self.owner,
                 )
             )
         return body
@@ -162,13 +164,20 @@ def listed_item(response_id: str, index: int, item: dict[str, Any]) -> dict[str,
     response's and the item's place, the same on every listing, for `after`), a status,
     and a message's text as input_text parts (output_text for the assistant's)."""
     kind = item.get("type", "message")
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+    prefix = {
+        "message": "msg",
+        "function_call": "fc",
+        "function_call_output": "fco",
+        "reasoning": "rs",
+    }[kind]
     listed = {
         **item,
         "type": kind,
         "id": item.get("id") or f"{prefix}_{response_id.removeprefix('resp_')}_{index}",
         "status": "completed",
     }
+    if kind == "reasoning":
+        listed.setdefault("summary", [])
     if kind == "message":
         content = item["content"]
         texts = [content] if isinstance(content, str) else [p["text"] for p in content]
