@@ -7,6 +7,12 @@ has a resolution of one second. Children name their thread by its public id and 
 deleted with it by the store (no foreign keys: SQLite ignores them by default, and the
 store deletes in one transaction anyway). The migrations in `migrations/` create exactly
 these tables; a change here is a new migration there.
+
+OWNERS: an assistant and a thread belong to the key that made them (`owner`, the key's
+id, never the key); a thread's messages, runs and steps are its thread's. A key sees only
+its own (another's id is a 404, as OpenAI answers), an admin key and a server without
+keys see all (deployments/http/caller.py). A row made before owners were kept has none:
+only an admin or a server without keys sees it, since whose it was is not known.
 """
 
 import time
@@ -28,6 +34,7 @@ class Assistant(Base):
 
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    owner: Mapped[str | None] = mapped_column(String(64), index=True)  # see OWNERS
     created_at: Mapped[int] = mapped_column(Integer, default=now)
     name: Mapped[str | None] = mapped_column(String(256))
     description: Mapped[str | None] = mapped_column(Text)
@@ -61,6 +68,7 @@ class Thread(Base):
 
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    owner: Mapped[str | None] = mapped_column(String(64), index=True)  # see OWNERS
     created_at: Mapped[int] = mapped_column(Integer, default=now)
     meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
 

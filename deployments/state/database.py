@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -19,6 +19,9 @@ from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
 from deployments.state.base import IdempotencyKey, now
+
+if TYPE_CHECKING:
+    from deployments.http.caller import Caller
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -83,9 +86,22 @@ class Database:
         self.engine.dispose()
 
 
-def find(session: Session, model: type[T], object_id: str, **where: Any) -> T:
-    """The row with this public id (and these column values); 404 in OpenAI's words."""
-    row = session.scalar(select(model).filter_by(id=object_id, **where))
+def visible(model: type, viewer: "Caller | None") -> list:
+    """The condition on `model`'s rows that `viewer` may see (state/assistants.py,
+    OWNERS): its own rows; every row for an admin, a server without keys, or None (the
+    server itself)."""
+    if viewer is None or viewer.admin or viewer.key_id is None:
+        return []
+    return [model.owner == viewer.key_id]  # type: ignore[attr-defined]
+
+
+def find(
+    session: Session, model: type[T], object_id: str, viewer: "Caller | None" = None, **where: Any
+) -> T:
+    """The row with this public id (and these column values) that `viewer` may see; 404
+    in OpenAI's words (also for another key's row: its id tells nothing)."""
+    stmt = select(model).filter_by(id=object_id, **where).where(*visible(model, viewer))
+    row = session.scalar(stmt)
     if row is None:
         name = model.__tablename__.rstrip("s").replace("_", " ")  # type: ignore[attr-defined]
         raise NotFoundError(f"No {name} found with id '{object_id}'.", param=None)
@@ -99,19 +115,22 @@ def page(
     order: str = "desc",
     after: str | None = None,
     before: str | None = None,
+    viewer: "Caller | None" = None,
     **where: Any,
 ) -> dict:
-    """OpenAI's cursor pagination over rows ordered by `seq`: `after` and `before` name
-    the row the page starts after or ends before (in the list's order)."""
+    """OpenAI's cursor pagination over the rows `viewer` may see, ordered by `seq`:
+    `after` and `before` name the row the page starts after or ends before (in the
+    list's order)."""
     if not PAGE_LIMIT[0] <= limit <= PAGE_LIMIT[1]:
         raise InvalidRequestError("limit must be between 1 and 100", param="limit")
     if order not in ("asc", "desc"):
         raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
     ascending = order == "asc"
-    stmt = select(model).filter_by(**where)
+    mine = visible(model, viewer)
+    stmt = select(model).filter_by(**where).where(*mine)
     for cursor, later in ((after, ascending), (before, not ascending)):
         if cursor is not None:
-            seq = session.scalar(select(model.seq).filter_by(id=cursor, **where))
+            seq = session.scalar(select(model.seq).filter_by(id=cursor, **where).where(*mine))
             if seq is None:
                 raise InvalidRequestError(f"no such cursor '{cursor}'", param="cursor")
             stmt = stmt.where(model.seq > seq if later else model.seq < seq)

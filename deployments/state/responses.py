@@ -6,6 +6,7 @@ messages, and the Response object) and the id it continued; a conversation is re
 walking back along `previous_id`. `chain` is the first response's id: it names the
 chain's warm context on a model replica (deployments/api/warm_context.py). Rows older
 than 30 days are deleted as new ones are stored, as OpenAI keeps stored responses.
+A response belongs to the key that made it (`owner`, as state/assistants.py says).
 """
 
 from typing import Any
@@ -20,6 +21,7 @@ class StoredResponse(Base):
     __tablename__ = "responses"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str | None] = mapped_column(String(64))  # as the Assistants' OWNERS
     model: Mapped[str] = mapped_column(String(200))
     chain: Mapped[str] = mapped_column(String(64), index=True)
     previous_id: Mapped[str | None] = mapped_column(String(64))

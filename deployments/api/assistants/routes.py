@@ -1,6 +1,7 @@
 """OpenAI's Assistants v2: assistants, threads and their messages (runs are in
 run_routes.py). State lives in the Assistants database (deployments/state);
-these routes validate, call the store, and answer its objects."""
+these routes validate, call the store, and answer its objects. Each says who asks: a
+key sees only what it made, another key's ids are 404s (OWNERS in state/assistants.py)."""
 
 import logging
 from typing import Annotated, Literal
@@ -17,7 +18,7 @@ from deployments.api.assistants.schema import (
     ThreadCreate,
     ThreadUpdate,
 )
-from deployments.api.assistants.service import AssistantsDep
+from deployments.api.assistants.service import AssistantsDep, WhoDep
 from deployments.api.assistants.thread_context import free_thread
 from deployments.ingress import Ingress, IngressDep
 
@@ -59,55 +60,58 @@ def _assistant_fields(req: AssistantCreate | AssistantUpdate) -> dict:
 
 # ---- assistants --------------------------------------------------------------------------
 @router.post("/assistants")
-async def create_assistant(req: AssistantCreate, a: AssistantsDep, ingress: IngressDep) -> dict:
+async def create_assistant(
+    req: AssistantCreate, a: AssistantsDep, ingress: IngressDep, who: WhoDep
+) -> dict:
     ingress.model(req.model)
-    return await a.store.create_assistant(_assistant_fields(req))
+    return await a.store.create_assistant(_assistant_fields(req), who)
 
 
 @router.get("/assistants")
-async def list_assistants(a: AssistantsDep, cursor: CursorDep) -> dict:
-    return await a.store.list_assistants(**cursor.args)
+async def list_assistants(a: AssistantsDep, cursor: CursorDep, who: WhoDep) -> dict:
+    return await a.store.list_assistants(who, **cursor.args)
 
 
 @router.get("/assistants/{assistant_id}")
-async def get_assistant(assistant_id: str, a: AssistantsDep) -> dict:
-    return await a.store.get_assistant(assistant_id)
+async def get_assistant(assistant_id: str, a: AssistantsDep, who: WhoDep) -> dict:
+    return await a.store.get_assistant(assistant_id, who)
 
 
 @router.post("/assistants/{assistant_id}")
 async def update_assistant(
-    assistant_id: str, req: AssistantUpdate, a: AssistantsDep, ingress: IngressDep
+    assistant_id: str, req: AssistantUpdate, a: AssistantsDep, ingress: IngressDep, who: WhoDep
 ) -> dict:
     if req.model is not None:
         ingress.model(req.model)
-    return await a.store.update_assistant(assistant_id, _assistant_fields(req))
+    return await a.store.update_assistant(assistant_id, _assistant_fields(req), who)
 
 
 @router.delete("/assistants/{assistant_id}")
-async def delete_assistant(assistant_id: str, a: AssistantsDep) -> dict:
-    return await a.store.delete_assistant(assistant_id)
+async def delete_assistant(assistant_id: str, a: AssistantsDep, who: WhoDep) -> dict:
+    return await a.store.delete_assistant(assistant_id, who)
 
 
 # ---- threads -----------------------------------------------------------------------------
 @router.post("/threads")
-async def create_thread(req: ThreadCreate, a: AssistantsDep) -> dict:
-    return await a.store.create_thread(req.metadata or {}, [m.fields() for m in req.messages])
+async def create_thread(req: ThreadCreate, a: AssistantsDep, who: WhoDep) -> dict:
+    messages = [m.fields() for m in req.messages]
+    return await a.store.create_thread(req.metadata or {}, messages, who)
 
 
 @router.get("/threads/{thread_id}")
-async def get_thread(thread_id: str, a: AssistantsDep) -> dict:
-    return await a.store.get_thread(thread_id)
+async def get_thread(thread_id: str, a: AssistantsDep, who: WhoDep) -> dict:
+    return await a.store.get_thread(thread_id, who)
 
 
 @router.post("/threads/{thread_id}")
-async def update_thread(thread_id: str, req: ThreadUpdate, a: AssistantsDep) -> dict:
+async def update_thread(thread_id: str, req: ThreadUpdate, a: AssistantsDep, who: WhoDep) -> dict:
     fields = {"meta": req.metadata or {}} if "metadata" in req.model_fields_set else {}
-    return await a.store.update_thread(thread_id, fields)
+    return await a.store.update_thread(thread_id, fields, who)
 
 
 @router.delete("/threads/{thread_id}")
-async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep) -> dict:
-    deleted, active = await a.store.delete_thread(thread_id)
+async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep, who: WhoDep) -> dict:
+    deleted, active = await a.store.delete_thread(thread_id, who)
     for run_id in active:  # ended as cancelled in the database: stop their work here
         a.runs.stop(run_id)
     for model in ingress.served_models():  # its context, wherever a run left one
@@ -121,32 +125,32 @@ async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep) -
 # ---- messages ----------------------------------------------------------------------------
 @router.post("/threads/{thread_id}/messages")
 async def create_message(
-    thread_id: str, req: MessageCreate, a: AssistantsDep, key: IdempotencyKey = None
+    thread_id: str, req: MessageCreate, a: AssistantsDep, who: WhoDep, key: IdempotencyKey = None
 ) -> dict:
-    message, _ = await a.store.create_message(thread_id, req.fields(), key)
+    message, _ = await a.store.create_message(thread_id, req.fields(), key, who)
     return message
 
 
 @router.get("/threads/{thread_id}/messages")
 async def list_messages(
-    thread_id: str, a: AssistantsDep, cursor: CursorDep, run_id: str | None = None
+    thread_id: str, a: AssistantsDep, cursor: CursorDep, who: WhoDep, run_id: str | None = None
 ) -> dict:
-    return await a.store.list_messages(thread_id, run_id, **cursor.args)
+    return await a.store.list_messages(thread_id, run_id, who, **cursor.args)
 
 
 @router.get("/threads/{thread_id}/messages/{message_id}")
-async def get_message(thread_id: str, message_id: str, a: AssistantsDep) -> dict:
-    return await a.store.get_message(thread_id, message_id)
+async def get_message(thread_id: str, message_id: str, a: AssistantsDep, who: WhoDep) -> dict:
+    return await a.store.get_message(thread_id, message_id, who)
 
 
 @router.post("/threads/{thread_id}/messages/{message_id}")
 async def update_message(
-    thread_id: str, message_id: str, req: MessageUpdate, a: AssistantsDep
+    thread_id: str, message_id: str, req: MessageUpdate, a: AssistantsDep, who: WhoDep
 ) -> dict:
     fields = {"meta": req.metadata or {}} if "metadata" in req.model_fields_set else {}
-    return await a.store.update_message(thread_id, message_id, fields)
+    return await a.store.update_message(thread_id, message_id, fields, who)
 
 
 @router.delete("/threads/{thread_id}/messages/{message_id}")
-async def delete_message(thread_id: str, message_id: str, a: AssistantsDep) -> dict:
-    return await a.store.delete_message(thread_id, message_id)
+async def delete_message(thread_id: str, message_id: str, a: AssistantsDep, who: WhoDep) -> dict:
+    return await a.store.delete_message(thread_id, message_id, who)

@@ -17,11 +17,15 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError
+from deployments.http.caller import Caller
 from deployments.state.assistants import RUN_ACTIVE, Message, Run, RunStep, Thread
 from deployments.state.base import new_id, now
 from deployments.state.database import Database, find, once, page
 
 RUN_EXPIRES_AFTER_S = 600  # OpenAI's: a run not done in ten minutes expires
+# Who asks (OWNERS in state/assistants.py): a run is its thread's, so a thread another
+# key made is a 404 before its runs are looked at. None: the server itself, sees all.
+Who = Caller | None
 LAPSED_ERROR = {
     "code": "server_error",
     "message": "the server running this run stopped before it finished; create a new run",
@@ -33,12 +37,14 @@ class RunStore:
         self.db = db
         self.lease_s = lease_s
 
-    async def create_run(self, thread_id: str, fields: dict, key: str | None) -> tuple[dict, bool]:
+    async def create_run(
+        self, thread_id: str, fields: dict, key: str | None, who: Who = None
+    ) -> tuple[dict, bool]:
         """A queued run, and whether it is new (not a retry's): the caller starts it.
         400 while the thread has an active run, also when two requests race for it."""
 
         def work(s: Session) -> dict:
-            find(s, Thread, thread_id)
+            find(s, Thread, thread_id, who)
             self.refuse_if_running(s, thread_id, "Thread {thread} already has an active run {run}.")
             row = Run(
                 id=new_id("run"),
@@ -53,25 +59,29 @@ class RunStore:
 
         return await once(self.db, key, f"runs:{thread_id}", Run, work)
 
-    async def get_run(self, thread_id: str, run_id: str) -> dict:
+    async def get_run(self, thread_id: str, run_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
             row = find(s, Run, run_id, thread_id=thread_id)
             self.end_if_lapsed(s, row)
             return row.as_api()
 
         return await self.db.work(work)
 
-    async def list_runs(self, thread_id: str, **cursor: Any) -> dict:
+    async def list_runs(self, thread_id: str, who: Who = None, **cursor: Any) -> dict:
         def work(s: Session) -> dict:
-            find(s, Thread, thread_id)
+            find(s, Thread, thread_id, who)
             for row in s.scalars(select(Run).filter_by(thread_id=thread_id)):
                 self.end_if_lapsed(s, row)
             return page(s, Run, thread_id=thread_id, **cursor)
 
         return await self.db.work(work)
 
-    async def update_run_metadata(self, thread_id: str, run_id: str, meta: dict) -> dict:
+    async def update_run_metadata(
+        self, thread_id: str, run_id: str, meta: dict, who: Who = None
+    ) -> dict:
         def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
             row = find(s, Run, run_id, thread_id=thread_id)
             row.meta = meta
             return row.as_api()
@@ -90,8 +100,9 @@ class RunStore:
         through any ingress, ended when someone ended it)."""
         return await self.db.work(_transition, run_id, RUN_ACTIVE, {"leased_at": time.time()})
 
-    async def request_cancel(self, thread_id: str, run_id: str) -> dict:
+    async def request_cancel(self, thread_id: str, run_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
             row = find(s, Run, run_id, thread_id=thread_id)
             self.end_if_lapsed(s, row)
             done = s.execute(
@@ -172,13 +183,16 @@ class RunStore:
 
         return await self.db.work(work)
 
-    async def get_step(self, thread_id: str, run_id: str, step_id: str) -> dict:
-        return await self.db.work(
-            lambda s: find(s, RunStep, step_id, thread_id=thread_id, run_id=run_id).as_api()
-        )
-
-    async def list_steps(self, thread_id: str, run_id: str, **cursor: Any) -> dict:
+    async def get_step(self, thread_id: str, run_id: str, step_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
+            return find(s, RunStep, step_id, thread_id=thread_id, run_id=run_id).as_api()
+
+        return await self.db.work(work)
+
+    async def list_steps(self, thread_id: str, run_id: str, who: Who = None, **cursor: Any) -> dict:
+        def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
             find(s, Run, run_id, thread_id=thread_id)
             return page(s, RunStep, run_id=run_id, **cursor)
 

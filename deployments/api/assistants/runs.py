@@ -27,6 +27,9 @@ from deployments.state.base import now
 
 logger = logging.getLogger("ray.serve")
 END = None  # on a run's event queue: no more events
+# More text a token than any tokenizer served here packs (long runs of spaces included):
+# the bound of the text a run reads from its thread before it renders and trims it.
+MAX_CHARS_PER_TOKEN = 32
 STOPPED = {"code": "server_error", "message": "the server was stopped; create a new run"}
 
 
@@ -178,13 +181,17 @@ class RunExecutor:
         the answer), with the run's instructions as the system message; the oldest
         messages left out when it does not fit the run's max_prompt_tokens or the model
         (OpenAI's `auto` truncation)."""
-        messages = await self.store.conversation(run["thread_id"])
         system = [{"role": "system", "content": run["instructions"]}] if run["instructions"] else []
         constraint = output_constraint(run["response_format"])
         info = await self.ingress.info(run["model"])
         budget = info.max_model_len - 1
         if run["max_prompt_tokens"] is not None:
             budget = min(budget, run["max_prompt_tokens"])
+        # Each message takes at least a token of its template, and a token no more than
+        # MAX_CHARS_PER_TOKEN characters: what is left out here could never fit.
+        messages = await self.store.conversation(
+            run["thread_id"], budget * MAX_CHARS_PER_TOKEN, budget
+        )
         while True:
             turn = ChatTurn(run["model"], system + messages, SamplingParams(), constraint)
             prepared = await prepare(self.ingress, turn)

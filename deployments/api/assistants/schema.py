@@ -21,6 +21,7 @@ from app.protocol.sampling import Constraint
 from deployments.api.structured import ResponseFormat, StructuredFields
 
 MAX_METADATA_PAIRS = 16
+MAX_MESSAGE_CHARS = 256_000  # OpenAI's limit on one message's content
 
 
 class Body(BaseModel):
@@ -103,7 +104,7 @@ class TextPart(Body):
 
 class MessageCreate(WithMetadata):
     role: Literal["user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] = Field(max_length=MAX_MESSAGE_CHARS)
     attachments: list | None = None
 
     @field_validator("attachments")
@@ -111,6 +112,14 @@ class MessageCreate(WithMetadata):
     def _no_attachments(cls, value: list | None) -> list | None:
         if value:
             raise ValueError("attachments (files) are not served yet")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _bounded(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        size = len(value) if isinstance(value, str) else sum(len(p.text) for p in value)
+        if size > MAX_MESSAGE_CHARS:
+            raise ValueError(f"a message's content is at most {MAX_MESSAGE_CHARS:,} characters")
         return value
 
     @property

@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI, Request
 from app.protocol.errors import NotFoundError
 from deployments.api.assistants.runs import RunExecutor
 from deployments.api.assistants.store import AssistantsStore
+from deployments.http.caller import Caller, caller_of
 from deployments.ingress import Ingress
 
 logger = logging.getLogger("ray.serve")
@@ -44,3 +45,5 @@ def assistants_of(request: Request) -> Assistants:
 
 
 AssistantsDep = Annotated[Assistants, Depends(assistants_of)]
+# Who asks: a key sees only the assistants and threads it made (an admin key all).
+WhoDep = Annotated[Caller, Depends(caller_of)]

@@ -1,15 +1,17 @@
 """AssistantsStore: every read and write of the Assistants API's state, each one unit of
 work on the database: assistants, threads and messages here, runs and their steps in
 `runs` (run_store.py). Routes and the run executor call these; they never open a
-session themselves.
+session themselves. Routes say who asks (`who`): a key reads and changes only what it
+made (OWNERS in deployments/state/assistants.py).
 """
 
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from deployments.api.assistants.run_store import RunStore
+from app.protocol.errors import InvalidRequestError
+from deployments.api.assistants.run_store import RunStore, Who
 from deployments.state.assistants import (
     Assistant,
     Message,
@@ -19,6 +21,8 @@ from deployments.state.assistants import (
 )
 from deployments.state.base import IdempotencyKey, new_id, now
 from deployments.state.database import Database, find, once, page
+
+MAX_THREAD_MESSAGES = 100_000  # OpenAI's limit on one thread
 
 
 class AssistantsStore:
@@ -30,35 +34,35 @@ class AssistantsStore:
         self.db.close()
 
     # ---- assistants -------------------------------------------------------------------
-    async def create_assistant(self, fields: dict) -> dict:
+    async def create_assistant(self, fields: dict, who: Who = None) -> dict:
         def work(s: Session) -> dict:
-            row = Assistant(id=new_id("asst"), **fields)
+            row = Assistant(id=new_id("asst"), owner=owner(who), **fields)
             s.add(row)
             s.flush()
             return row.as_api()
 
         return await self.db.work(work)
 
-    async def get_assistant(self, assistant_id: str) -> dict:
-        return await self.db.work(lambda s: find(s, Assistant, assistant_id).as_api())
+    async def get_assistant(self, assistant_id: str, who: Who = None) -> dict:
+        return await self.db.work(lambda s: find(s, Assistant, assistant_id, who).as_api())
 
-    async def update_assistant(self, assistant_id: str, fields: dict) -> dict:
-        return await self.db.work(_update, Assistant, assistant_id, fields)
+    async def update_assistant(self, assistant_id: str, fields: dict, who: Who = None) -> dict:
+        return await self.db.work(_update, Assistant, assistant_id, fields, who)
 
-    async def list_assistants(self, **cursor: Any) -> dict:
-        return await self.db.work(lambda s: page(s, Assistant, **cursor))
+    async def list_assistants(self, who: Who = None, **cursor: Any) -> dict:
+        return await self.db.work(lambda s: page(s, Assistant, viewer=who, **cursor))
 
-    async def delete_assistant(self, assistant_id: str) -> dict:
+    async def delete_assistant(self, assistant_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
-            s.delete(find(s, Assistant, assistant_id))
+            s.delete(find(s, Assistant, assistant_id, who))
             return {"id": assistant_id, "object": "assistant.deleted", "deleted": True}
 
         return await self.db.work(work)
 
     # ---- threads ----------------------------------------------------------------------
-    async def create_thread(self, meta: dict, messages: list[dict]) -> dict:
+    async def create_thread(self, meta: dict, messages: list[dict], who: Who = None) -> dict:
         def work(s: Session) -> dict:
-            thread = Thread(id=new_id("thread"), meta=meta)
+            thread = Thread(id=new_id("thread"), owner=owner(who), meta=meta)
             s.add(thread)
             for m in messages:
                 s.add(_message(thread.id, **m))
@@ -67,18 +71,18 @@ class AssistantsStore:
 
         return await self.db.work(work)
 
-    async def get_thread(self, thread_id: str) -> dict:
-        return await self.db.work(lambda s: find(s, Thread, thread_id).as_api())
+    async def get_thread(self, thread_id: str, who: Who = None) -> dict:
+        return await self.db.work(lambda s: find(s, Thread, thread_id, who).as_api())
 
-    async def update_thread(self, thread_id: str, fields: dict) -> dict:
-        return await self.db.work(_update, Thread, thread_id, fields)
+    async def update_thread(self, thread_id: str, fields: dict, who: Who = None) -> dict:
+        return await self.db.work(_update, Thread, thread_id, fields, who)
 
-    async def delete_thread(self, thread_id: str) -> tuple[dict, list[str]]:
+    async def delete_thread(self, thread_id: str, who: Who = None) -> tuple[dict, list[str]]:
         """Delete the thread, its messages, runs and steps; also the ids of the runs that
         were active (ended here as cancelled: the caller stops their work)."""
 
         def work(s: Session) -> tuple[dict, list[str]]:
-            s.delete(find(s, Thread, thread_id))
+            s.delete(find(s, Thread, thread_id, who))
             active = self.runs.end_active_runs(s, thread_id)
             for model in (Message, Run, RunStep):
                 s.execute(delete(model).where(model.thread_id == thread_id))
@@ -90,13 +94,19 @@ class AssistantsStore:
 
     # ---- messages ---------------------------------------------------------------------
     async def create_message(
-        self, thread_id: str, fields: dict, key: str | None
+        self, thread_id: str, fields: dict, key: str | None, who: Who = None
     ) -> tuple[dict, bool]:
         def work(s: Session) -> dict:
-            find(s, Thread, thread_id)
+            find(s, Thread, thread_id, who)
             self.runs.refuse_if_running(
                 s, thread_id, "Can't add messages to {thread} while a run {run} is active."
             )
+            held = s.scalar(select(func.count()).where(Message.thread_id == thread_id))
+            if held >= MAX_THREAD_MESSAGES:
+                raise InvalidRequestError(
+                    f"A thread holds at most {MAX_THREAD_MESSAGES:,} messages; {thread_id} is full.",
+                    param="thread_id",
+                )
             row = _message(thread_id, **fields)
             s.add(row)
             s.flush()
@@ -104,37 +114,61 @@ class AssistantsStore:
 
         return await once(self.db, key, f"messages:{thread_id}", Message, work)
 
-    async def get_message(self, thread_id: str, message_id: str) -> dict:
-        return await self.db.work(
-            lambda s: find(s, Message, message_id, thread_id=thread_id).as_api()
-        )
-
-    async def update_message(self, thread_id: str, message_id: str, fields: dict) -> dict:
-        return await self.db.work(_update, Message, message_id, fields, {"thread_id": thread_id})
-
-    async def list_messages(self, thread_id: str, run_id: str | None, **cursor: Any) -> dict:
+    async def get_message(self, thread_id: str, message_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
-            find(s, Thread, thread_id)
+            find(s, Thread, thread_id, who)
+            return find(s, Message, message_id, thread_id=thread_id).as_api()
+
+        return await self.db.work(work)
+
+    async def update_message(
+        self, thread_id: str, message_id: str, fields: dict, who: Who = None
+    ) -> dict:
+        def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
+            return _update(s, Message, message_id, fields, None, {"thread_id": thread_id})
+
+        return await self.db.work(work)
+
+    async def list_messages(
+        self, thread_id: str, run_id: str | None, who: Who = None, **cursor: Any
+    ) -> dict:
+        def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
             where = {"thread_id": thread_id} | ({"run_id": run_id} if run_id else {})
             return page(s, Message, **cursor, **where)
 
         return await self.db.work(work)
 
-    async def delete_message(self, thread_id: str, message_id: str) -> dict:
+    async def delete_message(self, thread_id: str, message_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
+            find(s, Thread, thread_id, who)
             s.delete(find(s, Message, message_id, thread_id=thread_id))
             return {"id": message_id, "object": "thread.message.deleted", "deleted": True}
 
         return await self.db.work(work)
 
-    async def conversation(self, thread_id: str) -> list[dict]:
-        """The thread's messages, oldest first, as chat-template messages."""
+    async def conversation(self, thread_id: str, max_chars: int, max_messages: int) -> list[dict]:
+        """The thread's latest messages, oldest first, as chat-template messages: no more
+        than `max_messages`, and no more text than `max_chars` (the newest message
+        always). Older ones are left out here, before anything is rendered: a thread may
+        hold far more than any context window."""
 
         def work(s: Session) -> list[dict]:
-            rows = s.scalars(
-                select(Message).where(Message.thread_id == thread_id).order_by(Message.seq)
+            newest_first = (
+                select(Message.role, Message.text)
+                .where(Message.thread_id == thread_id)
+                .order_by(Message.seq.desc())
+                .limit(max_messages)
+                .execution_options(yield_per=256)
             )
-            return [{"role": m.role, "content": m.text} for m in rows]
+            out, chars = [], 0
+            for role, text in s.execute(newest_first):
+                chars += len(text)
+                if out and chars > max_chars:
+                    break
+                out.append({"role": role, "content": text})
+            return out[::-1]
 
         return await self.db.work(work)
 
@@ -145,10 +179,15 @@ def _message(thread_id: str, **fields: Any) -> Message:
     return Message(id=new_id("msg"), thread_id=thread_id, **fields)
 
 
+def owner(who: Who) -> str | None:
+    """The owner a new object gets: the id of the key that made it."""
+    return None if who is None else who.key_id
+
+
 def _update(
-    s: Session, model: type, object_id: str, fields: dict, where: dict | None = None
+    s: Session, model: type, object_id: str, fields: dict, who: Who, where: dict | None = None
 ) -> dict:
-    row = find(s, model, object_id, **(where or {}))
+    row = find(s, model, object_id, who, **(where or {}))
     for name, value in fields.items():
         setattr(row, name, value)
     s.flush()

@@ -24,6 +24,7 @@ from deployments.api.responses.schema import ResponsesRequest
 from deployments.api.responses.store import ResponseStore
 from deployments.api.responses.turn import Turn, listed_item, output_items
 from deployments.api.warm_context import free, generate_in_context
+from deployments.http.caller import Caller, caller_of
 from deployments.http.chat_turn import ChatTurn, prepare
 from deployments.http.generation import Generation
 from deployments.http.streaming import stream, typed_sse
@@ -54,6 +55,7 @@ def _store(request: Request) -> ResponseStore:
 
 
 StoreDep = Annotated[ResponseStore, Depends(_store)]
+WhoDep = Annotated[Caller, Depends(caller_of)]  # a key sees only the responses it made
 
 
 def context_id(chain: str) -> str:
@@ -61,11 +63,13 @@ def context_id(chain: str) -> str:
 
 
 @router.post("/responses")
-async def create(req: ResponsesRequest, ingress: IngressDep, store: StoreDep, tag: RequestTag):  # noqa: ANN201
+async def create(
+    req: ResponsesRequest, ingress: IngressDep, store: StoreDep, tag: RequestTag, who: WhoDep
+):  # noqa: ANN201
     name = ingress.served_name(req.model)
     previous, history = None, []
     if req.previous_response_id is not None:
-        previous, history = await store.conversation(req.previous_response_id)
+        previous, history = await store.conversation(req.previous_response_id, who)
     new_messages = req.input_messages()
     lead = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = ChatTurn(
@@ -81,7 +85,9 @@ async def create(req: ResponsesRequest, ingress: IngressDep, store: StoreDep, ta
     chain = previous.chain if previous is not None else rid
     cid = context_id(chain) if req.store else None
     gen, reused = await _start(ingress, name, ids, params, tag, cid, prepared.reasoning)
-    turn = Turn(rid, name, req, int(time.time()), chain, len(ids), reused, new_messages, fmt)
+    turn = Turn(
+        rid, name, req, int(time.time()), chain, len(ids), reused, new_messages, fmt, who.key_id
+    )
     if req.stream:
         return stream(gen, response_events(turn, gen, store), WIRE)
     await gen.drain()
@@ -114,13 +120,13 @@ async def _start(
 
 
 @router.get("/responses/{response_id}")
-async def retrieve(response_id: str, store: StoreDep) -> dict:
-    return (await store.get(response_id)).body
+async def retrieve(response_id: str, store: StoreDep, who: WhoDep) -> dict:
+    return (await store.get(response_id, who)).body
 
 
 @router.delete("/responses/{response_id}")
-async def delete(response_id: str, ingress: IngressDep, store: StoreDep) -> dict:
-    entry = await store.delete(response_id)
+async def delete(response_id: str, ingress: IngressDep, store: StoreDep, who: WhoDep) -> dict:
+    entry = await store.delete(response_id, who)
     if entry.chain == response_id:  # the chain's first turn: its context goes with it
         try:
             await free(ingress, entry.model, context_id(entry.chain))
@@ -134,6 +140,7 @@ async def delete(response_id: str, ingress: IngressDep, store: StoreDep) -> dict
 async def input_items(
     response_id: str,
     store: StoreDep,
+    who: WhoDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
@@ -143,7 +150,7 @@ async def input_items(
     first unless `order=asc`, a page of `limit` after the item `after`."""
     items = [
         listed_item(response_id, i, item)
-        for i, item in enumerate((await store.get(response_id)).input_items)
+        for i, item in enumerate((await store.get(response_id, who)).input_items)
     ]
     if order == "desc":
         items.reverse()

@@ -1,7 +1,8 @@
 """Stored Responses (`store: true`): what GET returns and what a `previous_response_id`
 continues from, in the app's database (deployments/state/responses.py), so every ingress
 replica sees every chain. The KV of a chain lives in a persistent context on a model
-replica (warm_context.py), named after the chain's first response.
+replica (warm_context.py), named after the chain's first response. A stored response is
+its key's: another key reads, lists, deletes or continues it as one never stored (404).
 """
 
 import json
@@ -13,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, RemoteError
+from deployments.http.caller import Caller
 from deployments.state.base import now
 from deployments.state.database import Database
 from deployments.state.responses import StoredResponse
@@ -36,17 +38,27 @@ class Entry:
     input_items: list[dict[str, Any]]
     messages: list[dict[str, Any]]  # this turn's input and output, as the template takes them
     body: dict[str, Any]  # the Response object
+    owner: str | None = None  # the id of the key that made it (Caller.key_id)
 
 
 def _entry(row: StoredResponse) -> Entry:
     return Entry(
-        row.id, row.model, row.chain, row.previous_id, row.input_items, row.messages, row.body
+        row.id,
+        row.model,
+        row.chain,
+        row.previous_id,
+        row.input_items,
+        row.messages,
+        row.body,
+        row.owner,
     )
 
 
-def _get(s: Session, response_id: str, param: str) -> StoredResponse:
+def _get(s: Session, response_id: str, param: str, who: Caller | None) -> StoredResponse:
+    """The stored response `who` may see (None: the server itself); another key's is
+    a 404, as one never stored."""
     row = s.get(StoredResponse, response_id)
-    if row is None:
+    if row is None or (who is not None and not who.owns(row.owner)):
         raise NotFoundError(f"Response with id '{response_id}' not found.", param)
     return row
 
@@ -55,8 +67,10 @@ class ResponseStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def get(self, response_id: str, param: str = "response_id") -> Entry:
-        return await self.db.work(lambda s: _entry(_get(s, response_id, param)))
+    async def get(
+        self, response_id: str, who: Caller | None = None, param: str = "response_id"
+    ) -> Entry:
+        return await self.db.work(lambda s: _entry(_get(s, response_id, param, who)))
 
     async def put(self, entry: Entry) -> None:
         size = len(json.dumps([entry.input_items, entry.messages, entry.body], default=str))
@@ -73,6 +87,7 @@ class ResponseStore:
                     messages=entry.messages,
                     body=entry.body,
                     size=size,
+                    owner=entry.owner,
                 )
             )
 
@@ -83,11 +98,11 @@ class ResponseStore:
                 503, "service_unavailable", f"the response could not be stored: {exc}", None
             ) from exc
 
-    async def delete(self, response_id: str) -> Entry:
+    async def delete(self, response_id: str, who: Caller | None = None) -> Entry:
         """Forget a response (its later turns can no longer be continued); returns it."""
 
         def work(s: Session) -> Entry:
-            entry = _entry(_get(s, response_id, "response_id"))
+            entry = _entry(_get(s, response_id, "response_id", who))
             gone = s.execute(delete(StoredResponse).where(StoredResponse.id == response_id))
             if gone.rowcount == 0:  # a concurrent delete (another replica) took it first
                 raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
@@ -95,17 +110,21 @@ class ResponseStore:
 
         return await self.db.work(work)
 
-    async def conversation(self, response_id: str) -> tuple[Entry, list[dict[str, Any]]]:
-        """The response `response_id` continues from, and the whole conversation up to and
-        including it."""
-        return await self.db.work(_conversation, response_id)
+    async def conversation(
+        self, response_id: str, who: Caller | None = None
+    ) -> tuple[Entry, list[dict[str, Any]]]:
+        """The response `response_id` continues from (one `who` may see), and the whole
+        conversation up to and including it."""
+        return await self.db.work(_conversation, response_id, who)
 
     def close(self) -> None:
         self.db.close()
 
 
-def _conversation(s: Session, response_id: str) -> tuple[Entry, list[dict[str, Any]]]:
-    last = _get(s, response_id, "previous_response_id")
+def _conversation(
+    s: Session, response_id: str, who: Caller | None
+) -> tuple[Entry, list[dict[str, Any]]]:
+    last = _get(s, response_id, "previous_response_id", who)
     turns, row, size = [last], last, last.size
     while row.previous_id is not None and size <= MAX_CONVERSATION_BYTES:
         if len(turns) >= MAX_CHAIN:
