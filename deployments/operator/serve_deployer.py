@@ -7,6 +7,8 @@ thread), and the operator polls `state` instead.
 """
 
 import logging
+import threading
+import time
 from typing import Any
 
 import ray
@@ -16,6 +18,7 @@ from deployments.config import ModelDeploymentConfig
 from deployments.model_deployment import model_deployment
 
 logger = logging.getLogger("ray.serve")
+PICKLE_RETRIES = 5
 
 
 def app_suffix(alias: str) -> str:
@@ -29,6 +32,9 @@ class ServeDeployer:
     def __init__(self, app_name: str, registry: Any) -> None:
         self.app_name = app_name
         self.registry = registry  # the EngineRegistry's handle: the alias reports there too
+        # Serve's deploy is not thread-safe: it registers modules for pickling by value
+        # and unregisters them, process-wide (two at once: "not registered for pickle").
+        self._deploying = threading.Lock()
 
     def app_for(self, alias: str) -> str:
         return f"{self.app_name}--{app_suffix(alias)}"
@@ -36,12 +42,23 @@ class ServeDeployer:
     def deploy(self, config: ModelDeploymentConfig) -> None:
         """Hands the alias's application to Serve and returns once Serve has it (not once
         its replicas run: `state` tells)."""
-        target = serve.RunTarget(
-            model_deployment(config, self.registry),
-            name=self.app_for(config.name),
-            route_prefix=None,
-        )
-        serve.run_many([target], wait_for_applications_running=False)
+        for attempt in range(PICKLE_RETRIES):
+            try:
+                with self._deploying:  # the deployment's options pickle its router too
+                    target = serve.RunTarget(
+                        model_deployment(config, self.registry),
+                        name=self.app_for(config.name),
+                        route_prefix=None,
+                    )
+                    serve.run_many([target], wait_for_applications_running=False)
+                return
+            except ValueError as exc:
+                # Serve's pickling by value raced another thread of this process that
+                # this lock does not cover; nothing was deployed: try again.
+                if "pickle by value" not in str(exc) or attempt == PICKLE_RETRIES - 1:
+                    raise
+                logger.warning("deploying %s: %r; again", config.name, exc)
+                time.sleep(0.2 * (attempt + 1))
 
     def remove(self, alias: str) -> None:
         """Asks Serve to delete the alias's application; returns before it is gone."""
