@@ -153,6 +153,19 @@ class Ingress:
         self._streams.pop(name, None)
         self._info.pop(name, None)
 
+    async def ready_models(self, engines: list[dict] | None = None) -> list[ModelDeploymentConfig]:
+        """The served models with a replica ready: registered with the EngineRegistry,
+        which a replica does only once its constructor returned (its engine loaded and
+        warmed up, its grammar's vocabulary in). The one answer /v1/models lists and
+        /health waits for. `engines`: the registry's list, when the caller has it.
+        Without a registry (in-process apps), every served model."""
+        if self.registry is None:
+            return self.served_models()
+        if engines is None:
+            engines = await self.engines()
+        live = {e["engine_name"] for e in engines if e["runtime_info"]}
+        return [m for m in self.served_models() if m.name in live]
+
     def embedding_models(self) -> list[str]:
         return [self.config.embeddings.name] if self.embedder is not None else []
 

@@ -169,14 +169,40 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self._args = (source, vocab_size, tuple(eos_token_ids))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        # Loaded now, off the engine's thread: the first constrained request should not
-        # wait seconds for it.
-        self._tokenizer: Future = self._pool.submit(llg_tokenizer, *self._args)
         self._pristine: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: Any = None
         self.mask_seconds = 0.0  # summed over steps, for stats and benchmarks
         self.mask_steps = 0
+        # Loaded here, before the engine reports ready, not on a thread behind it: a
+        # replica that said it was ready kept its first constrained request waiting for
+        # this (56.7 s once, beside a starting replica). Alone it costs ~0.7 s (SmolLM2's
+        # 49k vocabulary, its tokenizer already converted); on a thread beside the weights'
+        # load it also raced transformers' lazy imports (ImportError).
+        self._tokenizer: Any = None
+        self._tokenizer_error: Exception | None = None
+        started = time.perf_counter()
+        try:
+            self._tokenizer = llg_tokenizer(*self._args)
+        except Exception as exc:  # e.g. a slow (Python) tokenizer: llguidance reads fast ones
+            self._tokenizer_error = exc
+            logger.warning("structured outputs are unavailable for %s: %s", source.name, exc)
+        else:
+            self._warm_up()
+        logger.info("grammar vocabulary ready in %.2f s", time.perf_counter() - started)
+
+    def vocabulary_loaded(self) -> bool:
+        """Whether the model's vocabulary is loaded (a constrained request compiles its
+        grammar at once); False only when it cannot be (every one is then refused)."""
+        return self._tokenizer is not None
+
+    def _warm_up(self) -> None:
+        """Compile a grammar and compute its mask once, so that what llguidance builds on
+        first use (its executor, the bias's buffers) is not the first request's to wait
+        for; the step's figures leave it out."""
+        matcher = self.matcher(Constraint(kind=ConstraintKind.JSON, spec='{"type": "object"}'))
+        self._pool.submit(self._fill, [(0, matcher)]).result()  # on the thread steps use
+        self.mask_seconds, self.mask_steps = 0.0, 0
 
     def matcher(self, constraint: Constraint) -> Any:
         """A fresh matcher for one sequence; InvalidRequestError naming the problem when
@@ -189,12 +215,11 @@ class GrammarBackend:
         from llguidance import LLMatcher
 
         grammar = grammar_text(constraint)
-        try:
-            tokenizer = self._tokenizer.result()
-        except Exception as exc:  # e.g. a slow (Python) tokenizer: llguidance reads fast ones
+        tokenizer = self._tokenizer
+        if tokenizer is None:
             raise InvalidRequestError(
-                f"structured outputs are unavailable for this model: {exc}"
-            ) from exc
+                f"structured outputs are unavailable for this model: {self._tokenizer_error}"
+            ) from self._tokenizer_error
         started = time.perf_counter()
         pristine = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if pristine.is_error():

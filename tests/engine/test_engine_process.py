@@ -180,3 +180,41 @@ def test_slot_files_are_written_off_the_step_loop(tmp_path):
         proc.check_health()
     finally:
         proc.shutdown()
+
+
+def test_first_requests_after_ready_are_as_quick_as_warm_ones():
+    """When EngineProcess returns (what a replica's constructor, and so Serve's readiness,
+    waits for) the real model's first constrained request and first plain one wait for
+    nothing a later one does not: the grammar's vocabulary and the first-request set-up
+    are done (they once loaded behind a replica that already said it was ready)."""
+    import json
+
+    from app.protocol.sampling import Constraint, ConstraintKind
+
+    def constraint(field: str) -> Constraint:
+        schema = {"type": "object", "properties": {field: {"type": "integer"}}}
+        return Constraint(kind=ConstraintKind.JSON, spec=json.dumps(schema))
+
+    async def ttft(engine: EngineProcess, rid: str, c: Constraint | None) -> float:
+        params = SamplingParams(max_tokens=2, constraint=c)
+        started = time.perf_counter()
+        stream = engine.generate(EngineRequest(rid, [5, 6, 7, 8], params))
+        await stream.__anext__()
+        took = time.perf_counter() - started
+        await stream.aclose()
+        return took
+
+    async def main(engine: EngineProcess) -> list[float]:
+        # first ones, then warm ones of the same kinds (a new schema each: compiling one
+        # is part of every constrained request's first token)
+        kinds = [constraint("a"), None, constraint("b"), None]
+        return [await ttft(engine, f"r{i}", c) for i, c in enumerate(kinds)]
+
+    engine = EngineProcess(EngineConfig(kv_cache_memory_gib=0.25))
+    try:
+        first_constrained, first_plain, warm_constrained, warm_plain = asyncio.run(main(engine))
+    finally:
+        engine.shutdown()
+    # a small factor, with room for a busy machine's scheduling jitter
+    assert first_constrained < 4 * warm_constrained + 0.1, (first_constrained, warm_constrained)
+    assert first_plain < 4 * warm_plain + 0.1, (first_plain, warm_plain)

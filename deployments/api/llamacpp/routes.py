@@ -174,13 +174,15 @@ async def slot_action(
 
 async def _slot_counts(ingress: Ingress) -> tuple[int, int, list[str]]:
     """(idle, processing, models with no live replica), from the replicas' heartbeats:
-    no call waits behind a busy model's requests."""
+    no call waits behind a busy model's requests. A model counts as live as
+    Ingress.ready_models says, which is what /v1/models lists."""
     engines = await ingress.engines()
+    ready = {m.name for m in await ingress.ready_models(engines)}
     idle = busy = 0
     missing = []
     for model in ingress.served_models():
         live = [e for e in engines if e["engine_name"] == model.name and e["runtime_info"]]
-        if not live and ingress.config.model(model.name) is not None:
+        if model.name not in ready and ingress.config.model(model.name) is not None:
             missing.append(model.name)  # a run-time alias's absence is the operator's to report
         for e in live:
             info = e["runtime_info"]

@@ -32,10 +32,10 @@ router = APIRouter()
 
 
 async def list_models(ingress: IngressDep) -> dict:
-    """Every model this server answers for: the generative ones, then the embedding one.
-    `models` lists them again as llama.cpp's server does (its web UI and clients read
-    what each can do from `capabilities`)."""
-    generative = [m.name for m in ingress.served_models()]
+    """Every model this server answers for: the generative ones with a replica ready (as
+    /health counts them), then the embedding one. `models` lists them again as llama.cpp's
+    server does (its web UI and clients read what each can do from `capabilities`)."""
+    generative = [m.name for m in await ingress.ready_models()]
     embedding = ingress.embedding_models()
     cards = [_card(ingress, name) for name in generative + embedding]
     models = [_entry(name, ["completion"]) for name in generative]
