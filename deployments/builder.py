@@ -10,6 +10,7 @@ from deployments.model_server import ModelServerDeployment
 from deployments.operator.operator import OperatorDeployment
 from deployments.quiet_ray import quiet_ray_defaults
 from deployments.registry import RegistryDeployment
+from deployments.serve_cli import drain_on_sigterm
 from deployments.tokenizer import TokenizerDeployment
 
 
@@ -52,6 +53,8 @@ def graph(args: AppArgs) -> Application:
     """`serve run app:graph [key=value ...]`, or `import_path: app:graph` with `args` in a
     Serve config file (KubeRay's serveConfigV2). Serve validates the args into AppArgs
     (the annotation tells it to); with none, the config is $SHOAL_CONFIG's or the defaults.
-    `serve run` calls it before it starts Ray: the Ray it starts gets quieter timers."""
+    `serve run` calls it before it starts Ray: the Ray it starts gets quieter timers,
+    and SIGTERM (docker stop, systemd) drains the app as Ctrl-C does (serve_cli.py)."""
     quiet_ray_defaults()
+    drain_on_sigterm()
     return build_app(args.resolve())
