@@ -186,8 +186,13 @@ def test_parallel_branches_from_one_response(app):
         first = await create(model=MODEL, input="Hi, I am Ada.", max_output_tokens=4)
         done: list[str] = []
 
-        async def branch(name: str, text: str, tokens: int, delay: float) -> Response:
-            await asyncio.sleep(delay)
+        async def generating() -> None:  # the long branch holds the context from here
+            while not any(s["is_processing"] for s in (await http.get("/slots")).json()):
+                await asyncio.sleep(0.01)
+
+        async def branch(name: str, text: str, tokens: int, wait: bool) -> Response:
+            if wait:
+                await asyncio.wait_for(generating(), 60)
             reply = await create(
                 model=MODEL, input=text, previous_response_id=first.id, max_output_tokens=tokens
             )
@@ -195,10 +200,11 @@ def test_parallel_branches_from_one_response(app):
             return reply
 
         # (The in-process transport delivers a stream whole: two plain calls, the short
-        # one started while the long one generates. The long one is long enough to outlast
-        # the short one's wait for the busy context on a fast machine: 24 tokens did not.)
+        # one started once the long one generates, however loaded the machine. The long
+        # one is long enough to outlast the short one's wait for the busy context on a
+        # fast machine: 24 tokens did not.)
         long, short = await asyncio.gather(
-            branch("long", "Tell a story.", 96, 0.0), branch("short", "My name?", 2, 0.3)
+            branch("long", "Tell a story.", 96, False), branch("short", "My name?", 2, True)
         )
         return long, short, done
 
