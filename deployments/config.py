@@ -235,7 +235,7 @@ class OperatorConfig(BaseModel):
         "before any byte and while fetching; below it: 507 (or the item ends in `error`).",
     )
     min_free_disk_fraction: float = Field(
-        0.05,
+        0.10,
         ge=0,
         lt=1,
         description="The same floor as a fraction of that filesystem's size (the larger of "
@@ -293,6 +293,12 @@ class AppConfig(BaseModel):
         "and stopped, shutdown, client log lines, the WebSocket's commands), read host detail "
         "and see every key's stored objects; also valid for inference. Empty: those actions "
         "are taken from loopback clients only.",
+    )
+    loopback_operator: bool = Field(
+        True,
+        description="With no admin_api_keys, take the operator's actions from loopback "
+        "clients. Turn off where every client arrives from a loopback address: behind a "
+        "reverse proxy or a service-mesh sidecar on the same machine (KubeRay manifests).",
     )
     allowed_hosts: list[str] = Field(
         default_factory=lambda: ["localhost", ".localhost"],
@@ -358,6 +364,15 @@ class AppArgs(AppConfig):
     config_path: str | None = Field(
         None, description="YAML AppConfig to start from; default: $SHOAL_CONFIG, if set."
     )
+
+    @field_validator("api_keys", "admin_api_keys")
+    @classmethod
+    def _no_blank_keys(cls, keys: list[str]) -> list[str]:
+        # An unset variable in a config template would make "" a key that every client
+        # without one presents (an empty admin key: everyone is the operator).
+        if any(not k.strip() for k in keys):
+            raise ValueError("a key must not be empty or blank")
+        return keys
 
     @model_validator(mode="after")
     def _one_database(self) -> "AppArgs":

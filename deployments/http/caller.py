@@ -3,7 +3,9 @@
 Keys come in two roles. `api_keys` are for inference; `admin_api_keys` are also for the
 operator's actions (downloads, models started and stopped, shutdown, the WebSocket's
 commands) and see every key's stored objects. With no admin keys, only a loopback client
-may act as the operator: a page or a host elsewhere on the network never can.
+may act as the operator (unless `loopback_operator` is off: behind a proxy or a service
+mesh sidecar on the same machine every client is a loopback one): a page or a host
+elsewhere on the network never can.
 """
 
 import hashlib
@@ -22,10 +24,14 @@ class Caller:
     admin: bool = False
     # May change the operator's state and read host detail (names, addresses, paths).
     operator: bool = False
+    # The server has keys (api_keys or admin_api_keys): objects then belong to one.
+    keyed: bool = False
 
     def owns(self, owner: str | None) -> bool:
-        """Whether this caller may see an object stored by `owner` (a key_id)."""
-        return self.admin or self.key_id is None or owner == self.key_id
+        """Whether this caller may see an object stored by `owner` (a key_id): its own, or
+        any for an admin or on a server without keys. (A caller without a valid key on a
+        server with only admin keys sees only what such callers made.)"""
+        return self.admin or not self.keyed or owner == self.key_id
 
 
 def key_id(key: bytes) -> str:

@@ -83,6 +83,7 @@ class RequestGuard:
         self.keys = [k.encode() for k in config.api_keys]
         self.admin_keys = [k.encode() for k in config.admin_api_keys]
         self.allowed_hosts = list(config.allowed_hosts)
+        self.loopback_operator = config.loopback_operator
         self.max_bytes = config.max_request_bytes
         self.timeout_s = config.request_timeout_s
         self.body_timeout_s = config.request_body_timeout_s
@@ -225,8 +226,9 @@ class RequestGuard:
         valid = admin or any(hmac.compare_digest(token, k) for k in self.keys)
         if self.keys and not valid:
             return None
-        operator = admin or (not self.admin_keys and is_loopback(scope))
-        return Caller(key_id(token) if valid else None, admin, operator)
+        local = self.loopback_operator and not self.admin_keys and is_loopback(scope)
+        keyed = bool(self.keys or self.admin_keys)
+        return Caller(key_id(token) if valid else None, admin, admin or local, keyed)
 
     async def _too_large(self, send: Send, path: str) -> None:
         message = f"request body over {self.max_bytes} bytes"

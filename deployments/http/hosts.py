@@ -2,8 +2,9 @@
 
 A page on `http://rebind.example:8000` whose name an attacker points at 127.0.0.1 is the
 same site as itself to a browser, so the Origin and fetch-metadata checks pass; only the
-Host header gives it away. IP addresses are always answered: an address cannot be
-rebound, and a page served from one is this server's own. (As Vite and Jupyter do.)
+Host header gives it away. IP addresses are always answered (but 0.0.0.0 and
+multicast ones): an address cannot be rebound, and a page served from one is this
+server's own. (As Vite and Jupyter do.)
 """
 
 import ipaddress
@@ -28,10 +29,13 @@ def host_allowed(host_header: str | None, patterns: list[str]) -> bool:
         return True
     name = host_name(host_header)
     try:
-        ipaddress.ip_address(name.split("%")[0])
-        return True
+        address = ipaddress.ip_address(name.split("%")[0])
     except ValueError:
-        pass
+        address = None
+    if address is not None:
+        # 0.0.0.0 reaches this machine on Linux and macOS, yet a browser sends no
+        # fetch-metadata to it: a page's <img src=http://0.0.0.0:8000/...> would pass.
+        return not (address.is_unspecified or address.is_multicast)
     for pattern in patterns:
         pattern = pattern.lower().removeprefix("*")
         if pattern.startswith("."):

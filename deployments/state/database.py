@@ -90,7 +90,7 @@ def visible(model: type, viewer: "Caller | None") -> list:
     """The condition on `model`'s rows that `viewer` may see (state/assistants.py,
     OWNERS): its own rows; every row for an admin, a server without keys, or None (the
     server itself)."""
-    if viewer is None or viewer.admin or viewer.key_id is None:
+    if viewer is None or viewer.admin or not viewer.keyed:
         return []
     return [model.owner == viewer.key_id]  # type: ignore[attr-defined]
 

@@ -15,6 +15,7 @@ from starlette.websockets import WebSocketDisconnect
 from app.models.source import default_model_path
 from deployments.config import AppConfig
 from deployments.http.app import create_app
+from deployments.http.host_detail import without_host_detail
 from deployments.http.hosts import host_allowed
 from deployments.ingress import Ingress
 from deployments.operator.operator import Operator
@@ -86,6 +87,9 @@ def test_host_names_and_addresses():
     assert host_allowed("example.com:443", ["*.example.com"])
     assert not host_allowed("badexample.com", [".example.com"])
     assert host_allowed("anything.test", ["*"])
+    # 0.0.0.0 reaches this machine, and browsers send no fetch-metadata to it.
+    for bad in ("0.0.0.0:8000", "[::]:8000", "224.0.0.1"):
+        assert not host_allowed(bad, default), bad
 
 
 def test_a_foreign_host_is_refused_before_any_route(tiny_chat, tmp_path):
@@ -240,3 +244,61 @@ def test_props_hide_the_model_path_from_other_hosts(smollm2_engine, tmp_path):
     with local_app(config, smollm2_engine) as (app, _):
         assert run(model_path(app, LAN_CLIENT)) == Path(path).name
         assert run(model_path(app, LOOPBACK)) == path
+
+
+def test_blank_keys_are_refused():
+    # An unset ${ADMIN_KEY} in a config template: every keyless client would be the admin.
+    for field in ("api_keys", "admin_api_keys"):
+        with pytest.raises(ValueError, match="blank"):
+            AppConfig.model_validate({field: ["sk-real", " "]})
+
+
+def test_loopback_operator_off_behind_a_local_proxy(tiny_chat, tmp_path):
+    config = make_config(tiny_chat, tmp_path, loopback_operator=False)
+    with client_for(config, LOOPBACK) as client:  # every client, through a sidecar
+        r = client.post("/api/utils/log", json={"message": "x"})
+        assert r.status_code == 403 and "admin key" in r.json()["error"]
+
+
+def test_keyless_callers_never_see_the_admins_objects(tiny_chat, tmp_path):
+    """With admin keys alone (inference open), a caller without a key is not the admin."""
+    config = make_config(tiny_chat, tmp_path, admin_api_keys=["sk-admin"])
+    admin = {"Authorization": "Bearer sk-admin"}
+    with client_for(config, LAN_CLIENT) as client:
+        made = client.post("/v1/assistants", json={"model": "tiny"}, headers=admin)
+        assert made.status_code == 200, made.text
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            assert client.get("/v1/assistants", headers=headers).json()["data"] == []
+            mine = client.get(f"/v1/assistants/{made.json()['id']}", headers=headers)
+            assert mine.status_code == 404
+        listed = client.get("/v1/assistants", headers=admin).json()["data"]
+        assert [a["id"] for a in listed] == [made.json()["id"]]
+
+
+def test_host_detail_leaves_urls_and_names():
+    shown = without_host_detail(
+        {
+            "location": "/home/ann/models/x.gguf",
+            "modelfile": "FROM /home/ann/models/x.gguf",
+            "metadata": '{"location": "/srv/m/y"}',
+            "resources": {"CPU": 2.0, "node:10.1.2.3": 1.0},
+            "url": "https://huggingface.co/owner/repo",
+            "repo": "owner/repo",
+        }
+    )
+    assert shown == {
+        "location": "x.gguf",
+        "modelfile": "FROM x.gguf",
+        "metadata": '{"location": "y"}',
+        "resources": {"CPU": 2.0},
+        "url": "https://huggingface.co/owner/repo",
+        "repo": "owner/repo",
+    }
+
+
+def test_deeply_nested_arguments_are_a_400(tiny_chat, tmp_path):
+    with client_for(make_config(tiny_chat, tmp_path)) as client:
+        nested = "[" * 100_000 + "]" * 100_000
+        call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": nested}
+        r = client.post("/v1/responses", json={"model": "tiny", "input": [call]})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -8,7 +8,7 @@ nanoseconds, as Ollama reports them.
 import time
 from datetime import UTC, datetime
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
@@ -27,9 +27,11 @@ from deployments.api.ollama.schema import (
     OllamaRequest,
     OllamaShowRequest,
 )
+from deployments.http.caller import caller_of
 from deployments.http.chat_turn import ChatTurn, start
 from deployments.http.errors import error_shape
 from deployments.http.generation import Generation
+from deployments.http.host_detail import without_host_detail
 from deployments.http.streaming import ndjson
 from deployments.ingress import Ingress, IngressDep, RequestTag, unwrap
 
@@ -75,7 +77,7 @@ async def ps(ingress: IngressDep) -> dict:
 
 
 @router.post("/api/show")
-async def show(req: OllamaShowRequest, ingress: IngressDep) -> dict:
+async def show(req: OllamaShowRequest, ingress: IngressDep, request: Request) -> dict:
     asked = (req.model or req.name or "").removesuffix(":latest")
     if asked in ingress.embedding_models():
         return {
@@ -88,8 +90,11 @@ async def show(req: OllamaShowRequest, ingress: IngressDep) -> dict:
         }
     name = _model_name(ingress, req.model or req.name or "")
     info = await ingress.info(name)
+    source = ingress.model(name).engine.model
+    if not caller_of(request).operator:
+        source = without_host_detail(source)
     return {
-        "modelfile": f"FROM {ingress.model(name).engine.model}",
+        "modelfile": f"FROM {source}",
         "parameters": f"num_ctx {info.max_model_len}",
         "template": getattr(ingress.tokenizers[name], "chat_template", None) or "",
         "details": _entry(ingress, name)["details"],

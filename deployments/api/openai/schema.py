@@ -121,7 +121,7 @@ class ToolCall(BaseModel):
     def template_call(self) -> dict[str, Any]:
         try:
             arguments = json.loads(self.function.arguments)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # nesting past the parser's depth too
             raise InvalidRequestError(
                 f"tool call {self.id!r}: arguments are not valid JSON ({exc})", "messages"
             ) from exc

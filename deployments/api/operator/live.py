@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI, WebSocket, WebSocketDisconnect
 
 from deployments.api.operator_calls import cross_site, manage, operator_call
 from deployments.http.caller import Caller
+from deployments.http.host_detail import without_host_detail
 from deployments.ingress import Ingress
 from deployments.operator.follower import Broadcaster, Client, EventFollower
 
@@ -84,7 +85,8 @@ async def _serve(websocket: WebSocket, ingress: Ingress, broadcaster: Broadcaste
         ]
         for kind, items in snapshot:
             for item in items:
-                await websocket.send_json({"event": kind, "data": item, "seq": 0})
+                event = {"event": kind, "data": item, "seq": 0}
+                await websocket.send_json(_shown(websocket, event))
         await _pump(websocket, client, ingress)
     except WebSocketDisconnect:
         pass
@@ -110,7 +112,8 @@ async def _pump(websocket: WebSocket, client: Client, ingress: Ingress) -> None:
             # A client that stops reading stalls its send (uvicorn), or, under Serve, the
             # proxy's buffer grows: either way a send that takes this long drops it.
             try:
-                await asyncio.wait_for(websocket.send_json(getter.result()), SEND_TIMEOUT_S)
+                event = _shown(websocket, getter.result())
+                await asyncio.wait_for(websocket.send_json(event), SEND_TIMEOUT_S)
             except TimeoutError:
                 await websocket.close(code=1013, reason="too slow")
                 return
@@ -121,14 +124,23 @@ async def _pump(websocket: WebSocket, client: Client, ingress: Ingress) -> None:
                 await task
 
 
+def _caller(websocket: WebSocket) -> Caller:
+    return websocket.scope.get("state", {}).get("caller") or Caller()
+
+
+def _shown(websocket: WebSocket, event: dict) -> dict:
+    """The event as this client may see it: no host detail unless it is the operator."""
+    return event if _caller(websocket).operator else without_host_detail(event)
+
+
 async def _read(websocket: WebSocket, ingress: Ingress) -> None:
-    caller: Caller = websocket.scope.get("state", {}).get("caller") or Caller()
+    caller = _caller(websocket)
     while True:
         text = await websocket.receive_text()
         if len(text) > MAX_CLIENT_MESSAGE:
             await websocket.close(code=1009, reason="message too big")
             return
-        with contextlib.suppress(ValueError, AttributeError):
+        with contextlib.suppress(ValueError, AttributeError, RecursionError):
             text = json.loads(text).get("type", "")
         if text == "shutdown" and not caller.operator:
             message = "refused: shutdown needs an admin key (admin_api_keys), or a client on "

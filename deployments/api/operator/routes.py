@@ -7,7 +7,7 @@ Errors take Ollama's shape ({"error": "..."}), as everything under /api/ does.
 """
 
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,23 +36,30 @@ Source = Annotated[str, Query(alias="modelRepo", min_length=1, max_length=1024)]
 # ---- catalog and hardware ---------------------------------------------------------------
 @router.get("/api/models")
 async def models(ingress: IngressDep, request: Request) -> dict:
-    found = await operator_call(ingress, "models")
-    return {"models": found if caller_of(request).operator else without_host_detail(found)}
+    return {"models": shown(request, await operator_call(ingress, "models"))}
 
 
 @router.get("/api/hardware")
 @router.get("/api/hardwareinfo")
 async def hardware(ingress: IngressDep, request: Request) -> dict:
-    found = await operator_call(ingress, "hardware")
+    return shown(request, await operator_call(ingress, "hardware"))
+
+
+def shown(request: Request, found: Any) -> Any:
+    """What the caller may see of it: all for the operator, else no host detail."""
     return found if caller_of(request).operator else without_host_detail(found)
 
 
 # ---- downloads --------------------------------------------------------------------------
 @router.get("/api/downloads")
 async def downloads(
-    ingress: IngressDep, model_repo: OptionalRepo = None, file_path: FilePath = None
+    ingress: IngressDep,
+    request: Request,
+    model_repo: OptionalRepo = None,
+    file_path: FilePath = None,
 ) -> dict:
-    return {"DownloadItems": await manage(ingress, "downloads.list", model_repo, file_path)}
+    found = await manage(ingress, "downloads.list", model_repo, file_path)
+    return {"DownloadItems": shown(request, found)}
 
 
 @router.get("/api/downloads/enqueue", dependencies=[OperatorAction])
@@ -72,13 +79,13 @@ async def reset(ingress: IngressDep, model_repo: Repo, file_path: FilePath = Non
 
 # ---- inference control ------------------------------------------------------------------
 @router.get("/api/inference")
-async def inference(ingress: IngressDep, alias: str | None = None) -> dict:
-    return {"WingmanItems": await manage(ingress, "inference.list", alias)}
+async def inference(ingress: IngressDep, request: Request, alias: str | None = None) -> dict:
+    return {"WingmanItems": shown(request, await manage(ingress, "inference.list", alias))}
 
 
 @router.get("/api/inference/status")
-async def inference_status(ingress: IngressDep, alias: str | None = None) -> list:
-    return await manage(ingress, "inference.list", alias)
+async def inference_status(ingress: IngressDep, request: Request, alias: str | None = None) -> list:
+    return shown(request, await manage(ingress, "inference.list", alias))
 
 
 @router.get("/api/inference/start", dependencies=[OperatorAction])

@@ -94,7 +94,7 @@ class FunctionCallItem(Strict):
     def call(self, where: str) -> dict[str, Any]:
         try:
             arguments = json.loads(self.arguments)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # nesting past the parser's depth too
             raise InvalidRequestError(
                 f"{where}: arguments are not valid JSON ({exc})", "input"
             ) from exc
