@@ -14,6 +14,7 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
@@ -26,7 +27,8 @@ from app.text.reasoning import REASONING_FORMATS, ReasoningFormat, template_form
 from app.text.tokenizer import tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
-from deployments.http.generation import Generation, overloaded
+from deployments.http.client_scope import current_client
+from deployments.http.generation import Generation, overloaded, replica_failure
 from deployments.http.guard import Admission
 from deployments.http.metrics import IngressMetrics, TokenTimer
 
@@ -213,6 +215,8 @@ class Ingress:
             return await getattr(self._calls[model], method).remote(*args)
         except BackPressureError as exc:
             raise overloaded(exc) from None
+        except RayActorError as exc:  # the replica died under the call: 503, retry
+            raise replica_failure(exc) from None
         except Exception as exc:
             raise unwrap(exc) from None
 

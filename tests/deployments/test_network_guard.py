@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ray.exceptions import ActorDiedError
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
@@ -302,3 +303,22 @@ def test_deeply_nested_arguments_are_a_400(tiny_chat, tmp_path):
         call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": nested}
         r = client.post("/v1/responses", json={"model": "tiny", "input": [call]})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+class DeadReplica:
+    """A model replica whose actor died under every call (what `ray.kill` does)."""
+
+    def __getattr__(self, method: str):  # noqa: ANN204
+        def dead(*args):  # noqa: ANN002, ANN202
+            raise ActorDiedError()
+
+        return dead
+
+
+def test_a_call_on_a_replica_that_died_is_a_503(tiny_chat, tmp_path):
+    config = make_config(tiny_chat, tmp_path)
+    tokenizer = LocalHandle(Tokenizer(config.models))
+    ingress = Ingress(config, tokenizer, {"tiny": LocalHandle(DeadReplica())})
+    with TestClient(create_app(ingress), base_url="http://localhost") as client:
+        r = client.get("/props")
+        assert r.status_code == 503 and "retry" in r.json()["error"]["message"]
