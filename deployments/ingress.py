@@ -27,7 +27,6 @@ from app.text.reasoning import REASONING_FORMATS, ReasoningFormat, template_form
 from app.text.tokenizer import tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
-from deployments.http.client_scope import current_client
 from deployments.http.generation import Generation, overloaded, replica_failure
 from deployments.http.guard import Admission
 from deployments.http.metrics import IngressMetrics, TokenTimer
