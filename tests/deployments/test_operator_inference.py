@@ -188,7 +188,7 @@ def test_ollama_create_from_a_gguf_under_models_dir(tiny, tmp_path):
         assert item["modelRepo"] == "m.gguf" and item["status"] == "error"
         files = {"model": "x", "files": {"m.gguf": "sha256:" + "0" * 64}}
         r = client.post("/api/create", json=files)
-        assert r.status_code == 501 and "models_dir" in r.json()["error"]
+        assert r.status_code == 400 and "models_dir" in r.json()["error"]
         r = client.post("/api/create", json={"model": "y", "from": "../etc/passwd"})
         assert r.status_code == 400 and set(r.json()) == {"error"}
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.protocol.errors import InvalidRequestError, NotImplementedByServerError
+from app.protocol.errors import InvalidRequestError
 from deployments.api.ollama.models import _lines, begin, loaded, split_name
 from deployments.api.operator_calls import OperatorAction, manage
 from deployments.ingress import Ingress, IngressDep
@@ -38,12 +38,13 @@ async def create(req: CreateRequest, ingress: IngressDep):  # noqa: ANN201 (stre
     if not alias:
         raise InvalidRequestError("model is required", param="model")
     if req.files or req.adapters:
-        raise NotImplementedByServerError(
+        # A 400 that says so, as every field this server does not honour (docs/apis.md).
+        raise InvalidRequestError(
             "blob uploads are not supported here: put the GGUF under the server's models_dir "
             "and name it in `from`"
         )
     if req.quantize:
-        raise NotImplementedByServerError("quantize: models are served as they are")
+        raise InvalidRequestError("quantize: models are served as they are", param="quantize")
     if not req.from_:
         raise InvalidRequestError("`from` is required (a model, or a path under models_dir)")
     repo, file_path = await _source(ingress, req.from_)

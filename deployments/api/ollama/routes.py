@@ -88,6 +88,18 @@ async def show(req: OllamaShowRequest, ingress: IngressDep, request: Request) ->
             "model_info": {"general.architecture": "bert"},
             "capabilities": ["embedding"],
         }
+    if ingress.find_model(asked) is None:  # on disk, not started: what /api/tags says
+        on_disk = await local_tags(ingress, _all_models(ingress))
+        entry = next((m for m in on_disk if m["name"] in (asked, f"{asked}:latest")), None)
+        if entry is not None:
+            return {
+                "modelfile": f"FROM {asked}",
+                "parameters": "",
+                "template": "",
+                "details": entry["details"],
+                "model_info": {},
+                "capabilities": ["completion"],
+            }
     name = _model_name(ingress, req.model or req.name or "")
     info = await ingress.info(name)
     source = ingress.model(name).engine.model
