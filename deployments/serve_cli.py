@@ -46,6 +46,11 @@ def drain_on_sigterm() -> bool:
     return True
 
 
+# However the deletes go, the process ends: past the default replica drain (30 s) with
+# room for the engine to stop, a stuck delete no longer keeps `docker stop` waiting.
+DRAIN_LIMIT_S = 90.0
+
+
 def _install() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
@@ -64,7 +69,8 @@ def _drain_then_interrupt() -> None:
         logger.info("SIGTERM: draining %s, then shutting down", ", ".join(names) or "nothing")
         for name in names:
             serve.delete(name, _blocking=False)  # all at once: each drains on its own clock
-        while serve.status().applications:
+        deadline = time.monotonic() + DRAIN_LIMIT_S
+        while serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)
     except Exception:
         logger.exception("SIGTERM: draining failed; shutting down")
