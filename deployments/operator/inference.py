@@ -117,6 +117,12 @@ class InferenceManager:
         # Serve's calls, apart from the loop's default pool (the catalog, downloads): each
         # is short, so however many aliases wait for replicas, stop and reset still answer.
         self.serve_calls = ThreadPoolExecutor(4, thread_name_prefix="shoal-deployer")
+        # Deploys in threads of their own: however long Serve's controller takes to
+        # take one, stop, remove and state do not queue behind it.
+        self.deploy_calls = ThreadPoolExecutor(4, thread_name_prefix="shoal-deploy")
+        # Held from start_alias's checks until its item is in `items`: concurrent starts
+        # (of one alias, or past max_runtime_models) are refused, not all accepted.
+        self.starting = asyncio.Lock()
         self.items: dict[str, WingmanItem] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
@@ -174,9 +180,32 @@ class InferenceManager:
             raise InvalidRequestError(
                 "chatTemplate: the model's own template is used", "chatTemplate"
             )
+        async with self.starting:
+            self._may_start(alias)
+            configured = self.config.model(model_repo)
+            if configured is not None and not file_path:  # the configured weights, again
+                location: Path | str = configured.engine.model
+            else:
+                location = await asyncio.to_thread(self.locate, model_repo, file_path)
+            self._may_start(alias)  # a stop or reset went on meanwhile
+            engine = EngineConfig(model=str(location), max_model_len=context_size or None)
+            item = WingmanItem(alias, model_repo, file_path or "", context_size, gpu_layers)
+            item.config = ModelDeploymentConfig(
+                name=alias, engine=engine, num_cpus=self.config.operator.model_num_cpus
+            )
+            self.items[alias] = item
+            self._changed(item)
+            self.tasks[alias] = asyncio.get_running_loop().create_task(self._deploy(item))
+            return item.as_api()
+
+    def _may_start(self, alias: str) -> None:
+        """Refuses a start of `alias` while it is live, while a stopped start of it still
+        has its deploy under way, or past max_runtime_models."""
         current = self.items.get(alias)
         if current is not None and current.status in LIVE:
             raise ConflictError(f"{alias!r} is {current.status}: stop it first", "alias")
+        if alias in self.tasks:  # its stale deploy would remove the new application
+            raise ConflictError(f"{alias!r} is still stopping: try again shortly", "alias")
         live = sum(1 for i in self.items.values() if i.status in LIVE)
         limit = self.config.operator.max_runtime_models
         if live >= limit:
@@ -185,20 +214,6 @@ class InferenceManager:
                 "stop one first",
                 "alias",
             )
-        configured = self.config.model(model_repo)
-        if configured is not None and not file_path:  # the configured weights, again
-            location: Path | str = configured.engine.model
-        else:
-            location = await asyncio.to_thread(self.locate, model_repo, file_path)
-        engine = EngineConfig(model=str(location), max_model_len=context_size or None)
-        item = WingmanItem(alias, model_repo, file_path or "", context_size, gpu_layers)
-        item.config = ModelDeploymentConfig(
-            name=alias, engine=engine, num_cpus=self.config.operator.model_num_cpus
-        )
-        self.items[alias] = item
-        self._changed(item)
-        self.tasks[alias] = asyncio.get_running_loop().create_task(self._deploy(item))
-        return item.as_api()
 
     async def stop(self, alias: str) -> dict[str, Any]:
         """Stop `alias`, a starting one too (its application is deleted); it answers
@@ -264,7 +279,8 @@ class InferenceManager:
             raise TimeoutError(f"{item.alias}'s previous application is still being deleted")
         if item.status != "preparing":
             return
-        await self._serve(self.deployer.deploy, item.config)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.deploy_calls, self.deployer.deploy, item.config)
         handed = time.monotonic()
         while item.status == "preparing":
             status, message = await self._serve(self.deployer.state, item.alias)
@@ -280,8 +296,10 @@ class InferenceManager:
                     + (f": {message}" if message else "")
                 )
             await asyncio.sleep(POLL_S)
-        if item.status == "cancelling":  # a stop that did not wait for the deploy above
-            await self._remove(item)
+        # Stopped or reset meanwhile (complete, cancelling): a stop that gave up waiting
+        # for the deploy above removed the application before Serve made it; no item
+        # owns it now, so it goes (no new start of the alias ran: _may_start).
+        await self._remove(item)
 
     async def _gone(self, alias: str, limit: float) -> bool:
         """Whether the alias has no application (waiting up to `limit` for a deletion)."""

@@ -9,6 +9,7 @@ refused.
 import contextlib
 import importlib.util
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
@@ -103,7 +104,25 @@ def locate(
             "/api/downloads/enqueue it",
             "modelRepo",
         )
-    return loadable(path, file_path, model_repo)
+    chosen = loadable(path, file_path, model_repo)
+    if _escapes(chosen, models_dir.expanduser().resolve()):
+        # under() resolved the directory only: the file in it, or a model directory's
+        # weights, tokenizer or config, may still be a link out of models_dir.
+        raise InvalidRequestError(f"{model_repo!r} links outside models_dir", "modelRepo")
+    return chosen
+
+
+def _escapes(path: Path, root: Path) -> bool:
+    """Whether `path`, or anything in it when a directory, resolves outside `root`."""
+    if not path.resolve().is_relative_to(root):
+        return True
+    if not path.is_dir():
+        return False
+    for directory, dirs, files in os.walk(path):  # links to directories are not followed
+        for entry in (*dirs, *files):
+            if not (Path(directory) / entry).resolve().is_relative_to(root):
+                return True
+    return False
 
 
 def on_disk(models_dir: Path) -> list[tuple[str, list[str]]]:
@@ -113,7 +132,8 @@ def on_disk(models_dir: Path) -> list[tuple[str, list[str]]]:
     found: list[tuple[str, list[str]]] = []
     if not root.is_dir():
         return found
-    loose = sorted(p.name for p in root.glob("*.gguf") if p.is_file())
+    real = root.resolve()  # what links out of it is neither listed nor started (locate)
+    loose = sorted(p.name for p in root.glob("*.gguf") if p.is_file() and not _escapes(p, real))
     found.extend((name, [""]) for name in loose)
     todo, seen = [(root, 0)], 0
     while todo and seen < SCAN_LIMIT:
@@ -126,9 +146,16 @@ def on_disk(models_dir: Path) -> list[tuple[str, list[str]]]:
         if any(c.name.endswith(PART_SUFFIX) for c in children):
             continue  # a download under way
         name = directory.relative_to(root).as_posix()
-        ggufs = [c.name for c in children if c.suffix == ".gguf" and c.is_file()]
+        if directory != root and not directory.resolve().is_relative_to(real):
+            continue  # a link out of models_dir
+        ggufs = [
+            c.name
+            for c in children
+            if c.suffix == ".gguf" and c.is_file() and not _escapes(c, real)
+        ]
         if directory != root and _is_model_dir(directory):
-            found.append((name, [""]))
+            if not _escapes(directory, real):
+                found.append((name, [""]))
         elif directory != root and ggufs:
             found.append((name, ggufs))
         if depth < SCAN_DEPTH:

@@ -6,9 +6,11 @@ disk; Ollama's /api/create; max_runtime_models; one Serve application per alias.
 Serve itself is not here (tests/serve/test_operator_wedge.py runs it): the deployer is
 Serve's, with its three calls to the controller answered from a dict."""
 
+import asyncio
 import hashlib
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -16,9 +18,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from app.models.source import default_model_path
+from app.protocol.errors import ConflictError
 from deployments.config import AppConfig, ModelDeploymentConfig
 from deployments.http.app import create_app
 from deployments.ingress import Ingress
+from deployments.operator import inference
+from deployments.operator.inference import InferenceManager
 from deployments.operator.operator import Operator
 from deployments.operator.serve_deployer import ServeDeployer
 from deployments.tokenizer import Tokenizer
@@ -203,3 +208,110 @@ def test_max_runtime_models(tiny, tmp_path):
         assert r.status_code == 409 and set(r.json()) == {"error"}
         client.get("/api/inference/stop", params={"alias": "one"})
         assert start(client, "two", "default").status_code == 200
+
+
+def test_links_out_of_models_dir_are_refused_and_not_listed(tiny, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(tiny, outside / "tiny-chat")
+    (outside / "secret.gguf").hardlink_to(default_model_path())
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "model.gguf").symlink_to(outside / "secret.gguf")  # the chosen GGUF
+    (models / "loose.gguf").symlink_to(outside / "secret.gguf")
+    shutil.copytree(tiny, models / "dir")  # a config.json directory, its weights outside
+    for weights in (models / "dir").glob("*.safetensors"):
+        weights.unlink()
+        weights.symlink_to(outside / "tiny-chat" / weights.name)
+    deployer = DictDeployer()
+    with client_for(make_config(tiny, tmp_path), deployer) as client:
+        for repo, file_path in [("m", None), ("m", "model.gguf"), ("loose.gguf", None)]:
+            r = start(client, "x", repo, file_path)
+            assert r.status_code == 400 and set(r.json()) == {"error"}, (repo, r.text)
+        r = start(client, "x", "dir")
+        assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+        assert deployer.handed == {}
+        catalog = {m["id"] for m in client.get("/api/models").json()["models"]}
+        assert not {"m", "dir", "loose.gguf"} & catalog, catalog
+
+
+class SlowDeployer(DictDeployer):
+    """A deploy that returns only once `release` is set (Serve's controller, busy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def deploy(self, config: ModelDeploymentConfig) -> None:
+        self.entered.release()
+        assert self.release.wait(30)
+        super().deploy(config)
+
+
+def slow_locate(model_repo: str, file_path: str | None) -> Path:
+    time.sleep(0.2)  # a look at the disk: the loop serves other requests meanwhile
+    return default_model_path()
+
+
+async def outcomes(calls) -> list:  # noqa: ANN001
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def test_concurrent_starts_keep_the_limit_and_one_item_per_alias(tiny, tmp_path):
+    config = make_config(tiny, tmp_path, max_runtime_models=2)
+
+    async def run() -> None:
+        manager = InferenceManager(config, DictDeployer(), slow_locate, lambda _: None)
+        many = await outcomes(manager.start_alias(f"a{n}", "x", None) for n in range(6))
+        assert sum(isinstance(r, dict) for r in many) == 2, many
+        assert all(isinstance(r, (dict, ConflictError)) for r in many), many
+        manager.config = make_config(tiny, tmp_path, max_runtime_models=10)
+        same = await outcomes(manager.start_alias("same", "x", None) for _ in range(2))
+        assert sorted(type(r).__name__ for r in same) == ["ConflictError", "dict"], same
+        assert len(manager.tasks) == 3
+
+    asyncio.run(run())
+
+
+def stop_during_deploys(tiny, tmp_path, starts: int) -> set[str]:  # noqa: ANN001
+    """`starts` aliases whose deploys hang, a0 stopped meanwhile, then the deploys
+    return: the applications there once a0's deploy has ended."""
+    config = make_config(tiny, tmp_path, max_runtime_models=10)
+    deployer = SlowDeployer()
+
+    async def run() -> set[str]:
+        manager = InferenceManager(config, deployer, slow_locate, lambda _: None)
+        try:
+            for n in range(starts):
+                await manager.start_alias(f"a{n}", "x", None)
+            for _ in range(starts):
+                assert await asyncio.to_thread(deployer.entered.acquire, True, 10)
+            stopped = await asyncio.wait_for(manager.stop("a0"), 5)
+            assert stopped["status"] == "complete"
+        finally:
+            deployer.release.set()
+        while "a0" in manager.tasks:
+            await asyncio.sleep(0.02)
+        apps = set(deployer.apps)
+        for n in range(1, starts):  # DictDeployer's applications deploy for ever
+            await manager.stop(f"a{n}")
+        return apps
+
+    return asyncio.run(run())
+
+
+def test_a_stop_during_a_slow_deploy_leaves_no_application(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(inference, "CALL_S", 0.2)
+    monkeypatch.setattr(inference, "POLL_S", 0.02)
+    apps = stop_during_deploys(tiny, tmp_path, 1)
+    # The deploy returned after the stop gave up waiting: its application removed again.
+    assert DictDeployer().app_for("a0") not in apps
+
+
+def test_a_stop_does_not_wait_behind_deploys(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(inference, "CALL_S", 0.2)
+    monkeypatch.setattr(inference, "POLL_S", 0.02)
+    # As many hanging deploys as Serve's worker threads: the stop's calls have their own.
+    apps = stop_during_deploys(tiny, tmp_path, 4)
+    names = DictDeployer()
+    assert names.app_for("a0") not in apps and names.app_for("a1") in apps
