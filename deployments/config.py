@@ -182,6 +182,34 @@ class AssistantsConfig(BaseModel):
     )
 
 
+class TemplateSandboxConfig(BaseModel):
+    """The Tokenizer's sandbox for chat templates that are not the operator's: a request's
+    own (with trust_request_chat_template) and those of models started at run time from
+    downloaded repos. Each renders in one of a few worker processes, bounded in time, in
+    memory (1 GiB of address space) and in output (the model's context, in characters
+    and tokens); a worker that overruns is killed and replaced (app/text/request_template.py).
+    One client's renders never take every worker, a free worker goes to the waiting
+    client served least recently, and the waiting line is bounded (429 past it), so a
+    flood of runaway templates holds a handful of the Tokenizer's request slots, not all
+    of them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: int = Field(
+        2, ge=1, description="Worker processes (about 60 MiB each, plus the tokenizers read)."
+    )
+    max_queued: int = Field(
+        32, ge=0, description="Renders waiting for a worker, all clients together; past it 429."
+    )
+    max_queued_per_client: int = Field(
+        8,
+        ge=1,
+        description="One client's renders waiting or running; past it 429. A client is the "
+        "caller's API key when keys are on, else its address.",
+    )
+    timeout_s: float = Field(3.0, gt=0, description="One render's time; past it 400.")
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -226,6 +254,14 @@ class AppConfig(BaseModel):
         "(nor alias) with 404 even when one model is served. Off: with one model served, "
         "any name means it, as llama.cpp's server takes it (clients hard-code gpt-* names).",
     )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Render a request's own `chat_template` (vLLM's field, on "
+        "/v1/chat/completions and /apply-template): a template is code the server runs, so "
+        "off by default (a request bringing one gets a 400), as vLLM's "
+        "--trust-request-chat-template. On, it renders in `template_sandbox`.",
+    )
+    template_sandbox: TemplateSandboxConfig = Field(default_factory=TemplateSandboxConfig)
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
     request_body_timeout_s: float = Field(
         30.0, gt=0, description="A request body must arrive within this long (else 408)."

@@ -19,14 +19,16 @@ from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.messages import ContextOp, EngineRequest, PromptEnding, TemplateArgs
+from app.protocol.messages import ContextOp, EngineRequest, PromptEnding, RenderLimits, TemplateArgs
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
 from app.text.light_tokenizer import load_light_tokenizer
 from app.text.reasoning import REASONING_FORMATS, ReasoningFormat, template_format
+from app.text.request_template import request_templates_refused
 from app.text.tokenizer import tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
+from deployments.http.client_scope import current_client
 from deployments.http.generation import Generation, overloaded, replica_failure
 from deployments.http.guard import Admission
 from deployments.http.metrics import IngressMetrics, TokenTimer
@@ -245,9 +247,10 @@ class Ingress:
         """The prompt's ids under the model's chat template (or the request's own, with
         its variables: `args`), ending as `ending` says (app/text/tokenizer.py)."""
         source = self.model(model).engine.model
+        limits = await self._render_limits(model, args)
         try:
             return await self.tokenizer.encode_chat.remote(
-                model, messages, source, tools, ending, args
+                model, messages, source, tools, ending, args, limits
             )
         except Exception as exc:
             raise unwrap(exc) from None
@@ -262,12 +265,24 @@ class Ingress:
     ) -> str:
         """The text of the prompt `encode_chat` encodes."""
         source = self.model(model).engine.model
+        limits = await self._render_limits(model, args)
         try:
             return await self.tokenizer.chat_prompt.remote(
-                model, messages, source, tools, ending, args
+                model, messages, source, tools, ending, args, limits
             )
         except Exception as exc:
             raise unwrap(exc) from None
+
+    async def _render_limits(self, model: str, args: TemplateArgs | None) -> RenderLimits | None:
+        """For a template the Tokenizer renders in its sandbox (the request's own, or a
+        run-time model's), whose render it is and its bound: the model's context. A
+        request's own template is refused here (400) unless the config trusts them."""
+        own = args is not None and args.template is not None
+        if own and not self.config.trust_request_chat_template:
+            raise request_templates_refused()
+        if not own and model not in self.runtime_models:
+            return None  # the operator's template, rendered in the Tokenizer's process
+        return RenderLimits(current_client(), (await self.info(model)).max_model_len)
 
     def tool_format(self, model: str, args: TemplateArgs | None = None) -> ToolFormat | None:
         """The tool-call syntax of the template that renders this model's tools (the

@@ -1,4 +1,10 @@
-"""Tokenizer deployment: chat templates and encoding, one tokenizer per served model."""
+"""Tokenizer deployment: chat templates and encoding, one tokenizer per served model.
+
+The configured models' templates (the operator's) render in this process. The others
+render in its sandbox (app/text/request_template.py: a few worker processes, bounded in
+time, memory and output, with a fair, bounded waiting line): a request's own template
+(only with `trust_request_chat_template`; else a 400) and the template of a model the
+operator started at run time from a downloaded repo."""
 
 from collections.abc import Callable
 from typing import Any
@@ -7,17 +13,29 @@ from ray import serve
 
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError, ShoalError
-from app.protocol.messages import PromptEnding, TemplateArgs
+from app.protocol.messages import PromptEnding, RenderLimits, TemplateArgs
+from app.text.render_pool import RenderPool, Sandbox
+from app.text.request_template import request_templates_refused
 from app.text.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
-from deployments.config import ModelDeploymentConfig
+from deployments.config import ModelDeploymentConfig, TemplateSandboxConfig
 
 
 class Tokenizer:
-    def __init__(self, models: list[ModelDeploymentConfig]) -> None:
+    def __init__(
+        self,
+        models: list[ModelDeploymentConfig],
+        trust_request_chat_template: bool = False,
+        sandbox: TemplateSandboxConfig | None = None,
+    ) -> None:
         self.tokenizers = {
             m.name: load_tokenizer(resolve_model(m.engine.model), m.chat_template) for m in models
         }
         self.runtime: dict[str, Any] = {}
+        self.trust_request_chat_template = trust_request_chat_template
+        sandbox = sandbox or TemplateSandboxConfig()
+        self.pool = RenderPool(  # its workers start on first use
+            sandbox.workers, sandbox.max_queued, sandbox.max_queued_per_client, sandbox.timeout_s
+        )
 
     def _get(self, model: str, source: str | None) -> Any:
         """A configured model's tokenizer, or, for a model started at run time, the one
@@ -46,8 +64,11 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         ending: PromptEnding = "reply",
         args: TemplateArgs | None = None,
+        limits: RenderLimits | None = None,
     ) -> list[int]:
-        return self._render(chat_token_ids, model, messages, source, tools, ending, args)
+        """`limits`: whose render it is and its prompt's bound, for a template rendered
+        in the sandbox (the ingress sends them then)."""
+        return self._render(chat_token_ids, model, messages, source, tools, ending, args, limits)
 
     def chat_prompt(
         self,
@@ -57,9 +78,10 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         ending: PromptEnding = "reply",
         args: TemplateArgs | None = None,
+        limits: RenderLimits | None = None,
     ) -> str:
         """The text `encode_chat` encodes (llama.cpp's /apply-template)."""
-        return self._render(chat_prompt, model, messages, source, tools, ending, args)
+        return self._render(chat_prompt, model, messages, source, tools, ending, args, limits)
 
     def _render(
         self,
@@ -70,17 +92,23 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None,
         ending: PromptEnding,
         args: TemplateArgs | None,
+        limits: RenderLimits | None,
     ) -> Any:
-        tokenizer = self._get(model, source)
         own_template = args is not None and args.template is not None
+        if own_template and not self.trust_request_chat_template:
+            raise request_templates_refused()
+        tokenizer = self._get(model, source)
         if not own_template and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model {model!r} has no chat template", param="messages")
         if ending == "continue" and (not messages or messages[-1].get("role") != "assistant"):
             raise InvalidRequestError(
                 "continuing the final message needs an assistant message last", "messages"
             )
+        # A downloaded model's template is not the operator's: it renders apart too.
+        downloaded = model not in self.tokenizers
+        sandbox = Sandbox(self.pool, limits or RenderLimits(), model_template=downloaded)
         try:
-            return render(tokenizer, messages, tools, ending, args)
+            return render(tokenizer, messages, tools, ending, args, sandbox)
         except ShoalError:
             raise
         except Exception as exc:  # template errors (e.g. role order) are the client's

@@ -91,7 +91,9 @@ def local_app(
     server = ModelServer(model, engine=client)
     ingress = Ingress(
         config,
-        LocalHandle(Tokenizer(config.models)),
+        LocalHandle(
+            Tokenizer(config.models, config.trust_request_chat_template, config.template_sandbox)
+        ),
         {model.name: LocalHandle(server)},
         None if embedder is None else LocalHandle(embedder),
     )

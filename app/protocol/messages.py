@@ -17,6 +17,7 @@ __all__ = [
     "EngineErrorMessage",
     "EngineRequest",
     "PromptEnding",
+    "RenderLimits",
     "TemplateArgs",
     "context_op",
 ]
@@ -62,6 +63,17 @@ class TemplateArgs:
                 "chat_template_kwargs",
             )
         return cls(template, dict(variables or {}))
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """For a chat template the Tokenizer renders in its sandbox (a request's own, or one
+    that came with a model downloaded at run time): whose render it is (the caller's key
+    id or address: the render workers take turns between clients) and the most tokens
+    its prompt may have (the model's context; None: only a fixed bound in characters)."""
+
+    client: str = ""
+    max_prompt_tokens: int | None = None
 
 
 class ContextAction(StrEnum):

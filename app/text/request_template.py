@@ -1,35 +1,31 @@
-"""A request's own chat template (vLLM's `chat_template`), rendered apart and bounded.
+"""Chat templates that are not the operator's, rendered apart and bounded: a request's own
+(vLLM's `chat_template`) and the template of a model downloaded and started at run time.
 
-The template is the client's code. transformers renders it in Jinja's immutable sandbox,
-which keeps it from Python's internals but not from the CPU or memory: `{{ 9**9**9 }}`
-or a macro that calls itself twice runs for hours, `{{ "x" * 10**10 }}` takes the
-memory. So it is rendered, by transformers' own renderer (the one apply_chat_template
-calls, in the same sandbox), in a child process (template_child.py) with an
-address-space limit, a time limit and a bound on the text it returns; a child that
-overruns is killed and replaced. Configured templates are the operator's and render
-in-process, as before.
+Such a template is someone else's code. transformers renders it in Jinja's immutable
+sandbox, which keeps it from Python's internals but not from the CPU or memory:
+`{{ 9**9**9 }}` or a macro that calls itself twice runs for hours, `{{ "x" * 10**10 }}`
+takes the memory. So it is rendered, by transformers' own renderer (the one
+apply_chat_template calls, in the same sandbox), in a worker process (template_child.py)
+with an address-space limit, a time limit and a bound on what it writes: at most the
+model's context, in characters and then in tokens, counted there by the model's own
+tokenizer, so that no more than a context's worth of text ever comes out to be encoded.
+A worker that overruns is killed and replaced in the background. Templates from the
+operator's config, or packaged with a configured model, render in-process, as before.
 
-One child serves every request template in this process, one render at a time (a lock):
-a render takes about a millisecond, a runaway one at most RENDER_TIMEOUT_S.
+The workers: template_worker.py (the process) and render_pool.py (who renders when).
 """
 
-import json
-import select
-import subprocess
-import sys
-import threading
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.errors import CapacityError, InvalidRequestError
 from app.protocol.messages import PromptEnding
 
 RENDER_TIMEOUT_S = 3.0
-START_TIMEOUT_S = 60.0  # a new child imports transformers' renderer first (~1 s)
-MEMORY_LIMIT_BYTES = 1 << 30  # the child's address space
-MAX_PROMPT_CHARS = 8 << 20  # more text than any model's context holds
-CHILD = Path(__file__).with_name("template_child.py")
+MAX_PROMPT_CHARS = 8 << 20  # the bound when no context is given
+# A prompt's characters per token, at most (real text: about 4; long runs of spaces or
+# punctuation that one token covers reach a few dozen): the characters a context holds.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -41,73 +37,34 @@ class RenderJob:
     variables: dict[str, Any]  # the tokenizer's special tokens, then the request's
 
 
-def render_request_template(job: RenderJob) -> str:
-    """The prompt's text under the request's template; InvalidRequestError (400) for a
-    template that fails, raises, or runs past its bounds."""
-    global _child
-    line = json.dumps(asdict(job), default=str)
-    with _lock:
-        if _child is None or _child.proc.poll() is not None:
-            _child = _Child()
-        try:
-            answer = _child.run(line, RENDER_TIMEOUT_S)
-        except TimeoutError:
-            _child.kill()
-            _child = None
-            raise InvalidRequestError(
-                f"chat template failed: its render ran over {RENDER_TIMEOUT_S:g} s",
-                "chat_template",
-            ) from None
-        except (EOFError, OSError):  # the child died: its memory limit, a crash
-            _child.kill()
-            _child = None
-            raise InvalidRequestError(
-                "chat template failed: its render ran out of memory", "chat_template"
-            ) from None
-    if "error" in answer:
-        raise InvalidRequestError(f"chat template failed: {answer['error']}", "chat_template")
-    return answer["text"]
+class RenderersBusyError(CapacityError):
+    """The render workers' waiting line is full, in all or for this client: retry later."""
+
+    code = "chat_template_busy"
+    retry_after_s = RENDER_TIMEOUT_S
 
 
-class _Child:
-    def __init__(self) -> None:
-        args = [str(MEMORY_LIMIT_BYTES), str(MAX_PROMPT_CHARS)]
-        self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            self._read(START_TIMEOUT_S)
-        except (TimeoutError, EOFError) as exc:
-            self.kill()
-            raise ShoalError("the chat template renderer did not start") from exc
-
-    def run(self, line: str, timeout_s: float) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout_s)
-
-    def _read(self, timeout_s: float) -> dict[str, Any]:
-        out = self.proc.stdout
-        assert out is not None
-        ready, _, _ = select.select([out], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError
-        line = out.readline()  # the child writes whole lines; a partial one means it died
-        if not line.endswith("\n"):
-            raise EOFError
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
+def request_templates_refused() -> InvalidRequestError:
+    """The 400 for a request that brings its own chat template to a server that does not
+    render them (`trust_request_chat_template` off, the default)."""
+    return InvalidRequestError(
+        "chat_template: this server does not render a request's own chat template (a "
+        "template is code the server would run); its operator can allow them with "
+        "`trust_request_chat_template: true` in the app's config. Without it, send the "
+        "messages for the model's own template, with chat_template_kwargs if needed",
+        "chat_template",
+    )
 
 
-_lock = threading.Lock()
-_child: _Child | None = None
+def char_bound(max_tokens: int | None) -> int:
+    """The most characters a render may write for a prompt of at most `max_tokens`."""
+    if max_tokens is None:
+        return MAX_PROMPT_CHARS
+    return min(MAX_PROMPT_CHARS, max_tokens * MAX_CHARS_PER_TOKEN)
+
+
+def too_many_tokens(num_tokens: int, max_tokens: int) -> str:
+    return (
+        f"chat template failed: it rendered {num_tokens} tokens; the model's context "
+        f"holds {max_tokens}"
+    )

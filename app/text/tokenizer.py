@@ -8,7 +8,8 @@ from typing import Any
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError
 from app.protocol.messages import PromptEnding, TemplateArgs
-from app.text.request_template import RenderJob, render_request_template
+from app.text.render_pool import Sandbox, default_pool
+from app.text.request_template import RenderJob, too_many_tokens
 from app.text.transformers_tokenizer import load_transformers_tokenizer
 
 # For ChatML models whose own template has no tools (SmolLM2): Hermes-style tool calls.
@@ -46,34 +47,15 @@ def chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     ending: PromptEnding = "reply",
     args: TemplateArgs | None = None,
+    sandbox: Sandbox | None = None,
 ) -> str:
     """The prompt's text under the model's chat template, ending as `ending` says; with
     `tools` (or earlier calls and tool results in `messages`), under the template that
-    renders them. `args`: the request's own template (rendered apart, bounded) and
-    more variables for the template."""
-    args = args or TemplateArgs()
-    variables = _checked_variables(args.variables)
-    if args.template is not None:
-        # As apply_chat_template gives them: the special tokens, then the request's.
-        special = dict(tokenizer.special_tokens_map)
-        job = RenderJob(args.template, messages, tools, ending, {**special, **variables})
-        return render_request_template(job)
-    template = None
-    if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-        template = tools_template(tokenizer)
-        if template is None:
-            raise InvalidRequestError(
-                "this model's chat template does not render tools or tool results", "tools"
-            )
-    return tokenizer.apply_chat_template(
-        messages,
-        tools=tools,
-        chat_template=template,
-        add_generation_prompt=ending == "reply",
-        continue_final_message=ending == "continue",
-        tokenize=False,
-        **variables,
-    )
+    renders them. `args`: the request's own template and more variables for the
+    template. A request's template renders in `sandbox` (the process's default pool when
+    None), and so does the model's own where `sandbox.model_template` says (a model
+    downloaded at run time): apart and bounded (app/text/request_template.py)."""
+    return _rendered(tokenizer, messages, tools, ending, args, sandbox)[0]
 
 
 def chat_token_ids(
@@ -82,11 +64,64 @@ def chat_token_ids(
     tools: list[dict[str, Any]] | None = None,
     ending: PromptEnding = "reply",
     args: TemplateArgs | None = None,
+    sandbox: Sandbox | None = None,
 ) -> list[int]:
     """The prompt's token ids: `chat_prompt`'s text, encoded as transformers does for a
-    rendered template (its special tokens are in the text, so none are added)."""
-    text = chat_prompt(tokenizer, messages, tools, ending, args)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    rendered template (its special tokens are in the text, so none are added). A
+    sandboxed render's text was bounded to the model's context where it was rendered;
+    its ids are checked again here (the bound in characters is all a worker can apply
+    for a tokenizer without a Rust backend)."""
+    text, bound = _rendered(tokenizer, messages, tools, ending, args, sandbox)
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    if bound is not None and len(ids) > bound:
+        own = args is not None and args.template is not None
+        raise InvalidRequestError(
+            too_many_tokens(len(ids), bound), "chat_template" if own else "messages"
+        )
+    return ids
+
+
+def _rendered(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    ending: PromptEnding,
+    args: TemplateArgs | None,
+    sandbox: Sandbox | None,
+) -> tuple[str, int | None]:
+    """The prompt's text, and the most tokens it may have when it was rendered apart."""
+    args = args or TemplateArgs()
+    variables = _checked_variables(args.variables)
+    template = args.template
+    own = template is not None
+    if not own and (tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
+        template = tools_template(tokenizer)
+        if template is None:
+            raise InvalidRequestError(
+                "this model's chat template does not render tools or tool results", "tools"
+            )
+    if not own and (sandbox is None or not sandbox.model_template):
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=template,
+            add_generation_prompt=ending == "reply",
+            continue_final_message=ending == "continue",
+            tokenize=False,
+            **variables,
+        )
+        return text, None
+    sandbox = sandbox or Sandbox(default_pool())
+    if not own:  # the model's own: by name, when it has several (as transformers picks)
+        template = tokenizer.get_chat_template(template, tools)
+    # As apply_chat_template gives them: the messages without their None values, the
+    # special tokens, then the request's variables.
+    present = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    special = dict(tokenizer.special_tokens_map)
+    job = RenderJob(template, present, tools, ending, {**special, **variables})
+    param = "chat_template" if own else "messages"
+    text = sandbox.pool.render(job, tokenizer, sandbox.limits, param)
+    return text, sandbox.limits.max_prompt_tokens
 
 
 def _checked_variables(variables: dict[str, Any]) -> dict[str, Any]:

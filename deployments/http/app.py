@@ -1,10 +1,11 @@
 """The FastAPI app over an Ingress, and the Serve deployment that runs it.
 
 `create_app(ingress)` is all there is to the HTTP side: every dialect's router, the one
-error mapper, the request guard (keys, body limits, deadline) and CORS. Tests build it
-over an Ingress of local deployments; in Serve each ingress replica builds its own at
-start-up (`__serve_build_asgi_app__`), so the routes reach the replica through the app's
-state and never through a module global.
+error mapper, the request guard (keys, body limits, deadline), the client's identity
+(deployments/http/client_scope.py) and CORS. Tests build it over an Ingress of local
+deployments; in Serve each ingress replica builds its own at start-up
+(`__serve_build_asgi_app__`), so the routes reach the replica through the app's state
+and never through a module global.
 """
 
 import importlib
@@ -18,6 +19,7 @@ from ray import serve
 
 from deployments import api
 from deployments.config import AppConfig
+from deployments.http.client_scope import ClientScope
 from deployments.http.errors import install_error_handlers
 from deployments.http.guard import RequestGuard
 from deployments.ingress import Ingress, IngressDep
@@ -51,6 +53,7 @@ def create_app(ingress: Ingress) -> FastAPI:
             1000 * seconds,
         )
 
+    app.add_middleware(ClientScope)  # inside the guard, which finds the caller
     app.add_middleware(
         RequestGuard, config=ingress.config, observe=observe, admission=ingress.admission
     )

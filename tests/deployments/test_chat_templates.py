@@ -1,6 +1,8 @@
 """A request's own chat template and template variables (vLLM's `chat_template` and
 `chat_template_kwargs`) on /v1/chat/completions and /apply-template, in-process over the
-real default model, whose own template knows nothing of thinking (SmolLM2's)."""
+real default model, whose own template knows nothing of thinking (SmolLM2's), on an app
+that trusts request templates (`trust_request_chat_template`; off, the default, they
+are refused: test_request_template_trust.py)."""
 
 import httpx
 import ollama
@@ -8,7 +10,8 @@ import openai
 import pytest
 
 from app.protocol.messages import MAX_TEMPLATE_CHARS
-from tests.local_app import MODEL, http_client, run
+from deployments.config import AppConfig
+from tests.local_app import MODEL, http_client, local_app, run
 
 ASK = [{"role": "user", "content": "What is 2+2?"}]
 GREEDY = {"max_tokens": 12, "temperature": 0}
@@ -22,6 +25,22 @@ PERSONA = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+@pytest.fixture(scope="module")
+def app(smollm2_engine, tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    config = AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "assistants": {"database_path": str(state / "assistants.sqlite3")},
+            "models": [{"name": MODEL}],
+            "trust_request_chat_template": True,
+            "template_sandbox": {"timeout_s": 1.0},
+        }
+    )
+    with local_app(config, smollm2_engine) as (app, _):
+        yield app
 
 
 def _openai(app, scenario):  # noqa: ANN001, ANN202
@@ -106,7 +125,12 @@ def test_template_variables_reach_the_template(app):
                 "{% endfor %}{% endfor %}"
             },
             "chat_template",
-            "ran over",
+            "ran over 1 s",
+        ),
+        (  # more than the model's context (SmolLM2's 8192 tokens), counted where it renders
+            {"chat_template": "{{ 'hello ' * 9000 }}"},
+            "chat_template",
+            "the model's context holds 8192",
         ),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
         ({"chat_template_kwargs": {"x": "y" * 70_000}}, "chat_template_kwargs", "at most"),
