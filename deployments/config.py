@@ -189,7 +189,7 @@ class TemplateSandboxConfig(BaseModel):
     memory (1 GiB of address space) and in output (the model's context, in characters
     and tokens); a worker that overruns is killed and replaced (app/text/request_template.py).
     One client's renders never take every worker, a free worker goes to the waiting
-    client served least recently, and the waiting line is bounded (429 past it), so a
+    client that took the least worker time, and the waiting line is bounded (429 past it), so a
     flood of runaway templates holds a handful of the Tokenizer's request slots, not all
     of them."""
 
@@ -199,7 +199,7 @@ class TemplateSandboxConfig(BaseModel):
         2, ge=1, description="Worker processes (about 60 MiB each, plus the tokenizers read)."
     )
     max_queued: int = Field(
-        32, ge=0, description="Renders waiting for a worker, all clients together; past it 429."
+        32, ge=1, description="Renders waiting for a worker, all clients together; past it 429."
     )
     max_queued_per_client: int = Field(
         8,

@@ -7,8 +7,10 @@ not hold up another's. A client (whoever the caller says: a key id, an address) 
 most `max_queued_per_client` renders waiting or running. Clients with several renders
 here share all but one of the workers between them (a worker killed under a client's
 runaway counts as its until the new one has started), so while any number of clients
-flood, a client's only render starts at once. A free worker goes to the client with the
-fewest renders here, then to the one served least recently. At most `max_queued`
+flood, a client's only render starts at once. A free worker goes to a client with a
+single render here first, then to the one that took the least worker time (a runaway
+costs its time limit and its worker's restart; a render, a millisecond), then to the one
+served least recently. At most `max_queued`
 renders wait in all; a client with none waiting takes the place of the newest render of
 the client with the most waiting, when that one has several. Past these bounds a render
 is refused at once with a 429 (RenderersBusyError), so a flood holds no more than that
@@ -20,6 +22,7 @@ is held while a worker renders or starts.
 import json
 import logging
 import threading
+import time
 import uuid
 import weakref
 from collections import Counter, deque
@@ -55,6 +58,7 @@ class _Ticket:
     client: str
     granted: threading.Event = field(default_factory=threading.Event)
     slot: "_Slot | None" = None
+    since: float = 0.0  # when it was given its slot
 
 
 @dataclass
@@ -87,6 +91,9 @@ class RenderPool:
         self._waiting: dict[str, deque[_Ticket]] = {}  # by client, in arrival order
         self._turns = 0
         self._served: dict[str, int] = {}  # the turn each client holding renders had last
+        # The worker time each client holding renders has taken since it had none here
+        # (a runaway's: its time limit and its worker's restart).
+        self._used: dict[str, float] = {}
         self._num_waiting = 0
         self._held: Counter[str] = Counter()  # waiting or running, by client
         self._running: Counter[str] = Counter()
@@ -177,9 +184,7 @@ class RenderPool:
     def _grant(self) -> None:
         """Give idle workers to waiting renders (the lock held). Clients with several
         renders here share all but one of the workers between them (the last is kept for
-        a client's only render); a free worker goes to the client with the fewest
-        renders here, then to the one served least recently (one not served since it
-        last had none here: first)."""
+        a client's only render); a free worker goes to the client `_rank` puts first."""
         while self._idle and self._waiting:
             heavy = sum(n for c, n in self._running.items() if self._held[c] > 1)
             eligible = [
@@ -187,7 +192,7 @@ class RenderPool:
             ]
             if not eligible:
                 return
-            client = min(eligible, key=lambda c: (self._held[c], self._served.get(c, -1)))
+            client = min(eligible, key=self._rank)
             queue = self._waiting[client]
             ticket = queue.popleft()
             if not queue:
@@ -197,7 +202,15 @@ class RenderPool:
             self._num_waiting -= 1
             self._running[client] += 1
             ticket.slot = self._idle.pop()
+            ticket.since = time.monotonic()
             ticket.granted.set()
+
+    def _rank(self, client: str) -> tuple[bool, float, int]:
+        """Who of the waiting clients goes first: one with a single render here, then the
+        one that took the least worker time, then the one served least recently. By
+        time, not turns: a client keeping two runaways here would otherwise take every
+        other turn of a shared worker from a client whose renders take milliseconds."""
+        return self._held[client] > 1, self._used.get(client, 0.0), self._served.get(client, -1)
 
     def _release(self, ticket: _Ticket) -> None:
         slot = ticket.slot
@@ -206,20 +219,31 @@ class RenderPool:
             # Its worker was killed: a new one starts in the background, and until it has,
             # the client whose render overran still holds the slot (so its next runaway
             # cannot take the worker that the others are rendering in meanwhile).
-            threading.Thread(target=self._replace, args=(slot, ticket.client), daemon=True).start()
+            self._in_background(slot, ticket)
             return
         with self._lock:
-            self._done(ticket.client)
+            self._done(ticket)
             self._idle.append(slot)
             self._grant()
 
-    def _done(self, client: str) -> None:
+    def _done(self, ticket: _Ticket) -> None:
+        client = ticket.client
+        self._used[client] = self._used.get(client, 0.0) + time.monotonic() - ticket.since
         for counts in (self._held, self._running):
             counts[client] -= 1
             if counts[client] <= 0:
                 del counts[client]
         if client not in self._held:
             self._served.pop(client, None)
+            self._used.pop(client, None)
+
+    def _in_background(self, slot: _Slot, ticket: _Ticket | None) -> None:
+        """`_replace` on a thread of its own; in this one when no thread can start (the
+        slot must come back either way)."""
+        try:
+            threading.Thread(target=self._replace, args=(slot, ticket), daemon=True).start()
+        except RuntimeError:
+            self._replace(slot, ticket)
 
     def warm(self) -> None:
         """Start the workers not started yet, in the background (the first render
@@ -229,11 +253,11 @@ class RenderPool:
             cold = [slot for slot in self._idle if slot.child is None]
             self._idle = [slot for slot in self._idle if slot.child is not None]
         for slot in cold:
-            threading.Thread(target=self._replace, args=(slot, None), daemon=True).start()
+            self._in_background(slot, None)
 
-    def _replace(self, slot: _Slot, client: str | None) -> None:
+    def _replace(self, slot: _Slot, ticket: _Ticket | None) -> None:
         """Start the slot's worker, with the tokenizers used last, then free the slot
-        (and `client`'s hold on it)."""
+        (and the hold on it of `ticket`'s client, whose render cost the worker)."""
         slot.lost = False
         with self._lock:
             recent = [key for key in self._recent if key not in self._uncounted]
@@ -241,6 +265,7 @@ class RenderPool:
             slot.child = TemplateWorker(self.timeout_s)
             for key in recent:
                 if not slot.child.load(key, self._sources[key]):
+                    slot.child.kill()
                     slot.child = None  # the next render starts another
                     break
         except Exception:  # noqa: BLE001 (no process, no start: the slot must come back)
@@ -248,8 +273,8 @@ class RenderPool:
             slot.child = None
         finally:
             with self._lock:
-                if client is not None:
-                    self._done(client)
+                if ticket is not None:
+                    self._done(ticket)
                 self._idle.append(slot)
                 self._grant()
 

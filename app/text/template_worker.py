@@ -5,6 +5,7 @@ Its caller times every answer: a worker that does not answer within the time giv
 raises TimeoutError, one that died EOFError; the caller then kills it (`kill`).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -58,8 +59,9 @@ class TemplateWorker:
     def _read(self, timeout_s: float) -> dict[str, Any]:
         out = self.proc.stdout
         assert out is not None
-        ready, _, _ = select.select([out], [], [], timeout_s)
-        if not ready:
+        poll = select.poll()  # not select(): a descriptor past 1024 is fine
+        poll.register(out, select.POLLIN)
+        if not poll.poll(timeout_s * 1000):
             raise TimeoutError
         line = out.readline()  # the child writes whole lines; a partial one means it died
         if not line.endswith("\n"):
@@ -71,4 +73,5 @@ class TemplateWorker:
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):  # a line half written to a dead worker
+                    pipe.close()

@@ -55,7 +55,10 @@ def chat_prompt(
     template. A request's template renders in `sandbox` (the process's default pool when
     None), and so does the model's own where `sandbox.model_template` says (a model
     downloaded at run time): apart and bounded (app/text/request_template.py)."""
-    return _rendered(tokenizer, messages, tools, ending, args, sandbox)[0]
+    text, bound = _rendered(tokenizer, messages, tools, ending, args, sandbox)
+    if bound is not None:
+        _bounded(tokenizer(text, add_special_tokens=False).input_ids, bound, args)
+    return text
 
 
 def chat_token_ids(
@@ -73,7 +76,11 @@ def chat_token_ids(
     for a tokenizer without a Rust backend)."""
     text, bound = _rendered(tokenizer, messages, tools, ending, args, sandbox)
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-    if bound is not None and len(ids) > bound:
+    return ids if bound is None else _bounded(ids, bound, args)
+
+
+def _bounded(ids: list[int], bound: int, args: TemplateArgs | None) -> list[int]:
+    if len(ids) > bound:
         own = args is not None and args.template is not None
         raise InvalidRequestError(
             too_many_tokens(len(ids), bound), "chat_template" if own else "messages"

@@ -124,6 +124,10 @@ def test_the_output_is_bounded_by_the_context_in_characters_and_tokens(smollm2_t
     assert f"it rendered {expected} tokens" in _refused(
         _NoBackend(smollm2_tokenizer), "{{ 'hello ' * 100 }}", sandbox
     )
+    with pytest.raises(InvalidRequestError) as text_only:  # /apply-template's text too
+        args = TemplateArgs("{{ 'hello ' * 100 }}")
+        chat_prompt(_NoBackend(smollm2_tokenizer), MESSAGES, None, "none", args, sandbox)
+    assert f"it rendered {expected} tokens" in text_only.value.message
 
 
 def test_one_clients_runaways_leave_a_worker_to_the_others(smollm2_tokenizer):
@@ -221,6 +225,31 @@ def test_a_full_line_makes_room_for_a_client_with_none_waiting(smollm2_tokenizer
     outcomes = {name: outcome for name, (_, outcome) in done.items()}
     assert outcomes == {"a0": "ran over", "a1": "ran over", "a2": "busy", "a3": "busy", "b": "ok"}
     assert done["a0"][0] < done["b"][0] < done["a1"][0], done
+
+
+def test_a_client_with_several_renders_is_not_starved_by_two_runaways(smollm2_tokenizer):
+    """Client a keeps two runaways outstanding, b three benign renders: a worker's turns
+    go by the time each client took of it, so b (milliseconds a render) goes on
+    rendering while a (its whole time limit, and a restart, a render) waits. By turns
+    alone, b got one render per runaway of a's."""
+    pool = RenderPool(workers=2, max_queued_per_client=8, timeout_s=0.5)
+    _render(pool, smollm2_tokenizer, "{{ 'warm' }}", "b")
+    stop = time.perf_counter() + 4.0
+    rendered: dict[str, int] = {"a": 0, "b": 0}
+
+    def loop(client: str, template: str) -> None:
+        while time.perf_counter() < stop:
+            with contextlib.suppress(InvalidRequestError):
+                _render(pool, smollm2_tokenizer, template, client)
+                rendered[client] += 1
+
+    threads = [threading.Thread(target=loop, args=("a", RUNAWAY)) for _ in range(2)]
+    threads += [threading.Thread(target=loop, args=("b", "{{ 'ok' }}")) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert rendered["b"] >= 50, rendered
 
 
 def _render(pool: RenderPool, tokenizer: Any, template: str, client: str) -> str:
