@@ -23,8 +23,6 @@ import json
 import logging
 import threading
 import time
-import uuid
-import weakref
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,7 +35,8 @@ from app.text.request_template import (
     RenderJob,
     char_bound,
 )
-from app.text.template_worker import CHILD_TOKENIZERS, TemplateWorker
+from app.text.template_worker import TemplateWorker
+from app.text.worker_tokenizers import WorkerTokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +97,7 @@ class RenderPool:
         self._held: Counter[str] = Counter()  # waiting or running, by client
         self._running: Counter[str] = Counter()
         # A tokenizer's key in the workers, and the JSON they load it from.
-        self._keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self._sources: dict[str, str] = {}
-        self._uncounted: set[str] = set()  # tokenizers a worker failed to load
-        self._recent: deque[str] = deque(maxlen=CHILD_TOKENIZERS)  # a new worker loads them
+        self._tokenizers = WorkerTokenizers()
         self._warmed = False
 
     def render(
@@ -120,7 +116,7 @@ class RenderPool:
             **asdict(job),
             "max_chars": char_bound(limits.max_prompt_tokens),
             "max_tokens": limits.max_prompt_tokens,
-            "tokenizer": self._key(tokenizer) if limits.max_prompt_tokens else None,
+            "tokenizer": self._tokenizers.key(tokenizer) if limits.max_prompt_tokens else None,
         }
         line = json.dumps(request, default=str)
         if not self._warmed:
@@ -259,12 +255,11 @@ class RenderPool:
         """Start the slot's worker, with the tokenizers used last, then free the slot
         (and the hold on it of `ticket`'s client, whose render cost the worker)."""
         slot.lost = False
-        with self._lock:
-            recent = [key for key in self._recent if key not in self._uncounted]
+        recent = self._tokenizers.recent()
         try:
             slot.child = TemplateWorker(self.timeout_s)
             for key in recent:
-                if not slot.child.load(key, self._sources[key]):
+                if not slot.child.load(key, self._tokenizers.source(key)):
                     slot.child.kill()
                     slot.child = None  # the next render starts another
                     break
@@ -309,10 +304,10 @@ class RenderPool:
         dead worker is replaced at once."""
         child = slot.child
         assert child is not None
-        if child.load(key, self._sources[key]):
+        if child.load(key, self._tokenizers.source(key)):
             return True
         logger.warning("a chat template worker could not load a tokenizer; counting outside")
-        self._uncounted.add(key)
+        self._tokenizers.uncountable(key)
         if child.proc.poll() is not None:
             child.kill()
             slot.child = TemplateWorker(self.timeout_s)
@@ -323,27 +318,6 @@ class RenderPool:
         slot.child.kill()
         slot.child = None
         slot.lost = True
-
-    def _key(self, tokenizer: Any) -> str | None:
-        """The key a worker knows `tokenizer` by; None when it has no Rust backend to
-        send (the caller then counts the tokens) or a worker could not load it."""
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or not hasattr(backend, "to_str"):
-            return None
-        with self._lock:
-            try:
-                key = self._keys.get(tokenizer)
-            except TypeError:  # not weakly referable
-                return None
-            if key is None:
-                key = uuid.uuid4().hex
-                self._sources[key] = backend.to_str()
-                self._keys[tokenizer] = key
-            if key in self._uncounted:
-                return None
-            if key not in self._recent:
-                self._recent.append(key)
-            return key
 
 
 _default: RenderPool | None = None
