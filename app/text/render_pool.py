@@ -296,6 +296,8 @@ class RenderPool:
             raise InvalidRequestError(
                 "chat template failed: its render ran out of memory", param
             ) from None
+        if answer.get("spent"):  # it ran out of memory, and ended: replaced
+            self._lose(slot)
         return answer
 
     def _load(self, slot: _Slot, key: str) -> bool:

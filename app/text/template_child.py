@@ -74,7 +74,10 @@ def main() -> None:
         except Overrun as exc:
             _answer({"error": str(exc)})
         except MemoryError:
-            _answer({"error": "it ran out of memory"})
+            # What the render left (transformers' cache of compiled templates, a
+            # fragmented heap) may leave the next one too little: a new worker instead.
+            _answer({"error": "it ran out of memory", "spent": True})
+            return
         except Exception as exc:  # the template's own errors, raise_exception included
             _answer({"error": f"{type(exc).__name__}: {exc}"})
 

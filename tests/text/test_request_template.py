@@ -94,12 +94,14 @@ def test_failures_are_the_clients_and_the_worker_recovers(smollm2_tokenizer):
     started = time.perf_counter()
     assert "ran over 1 s" in _refused(smollm2_tokenizer, RUNAWAY, sandbox)
     assert time.perf_counter() - started < 10
+    first = _worker_pid(sandbox.pool)
     assert "memory" in _refused(smollm2_tokenizer, "{{ 'x' * 4000000000 }}", sandbox)
-    # The killed worker was replaced: the next template renders.
+    # The killed worker, and the one that ran out of memory, were replaced: the next
+    # template renders, in a new worker.
     two = chat_prompt(
         smollm2_tokenizer, MESSAGES, None, "none", TemplateArgs("{{ 1 + 1 }}"), sandbox
     )
-    assert two == "2"
+    assert two == "2" and _worker_pid(sandbox.pool) != first
 
 
 def test_the_output_is_bounded_by_the_context_in_characters_and_tokens(smollm2_tokenizer):
@@ -250,6 +252,16 @@ def test_a_client_with_several_renders_is_not_starved_by_two_runaways(smollm2_to
     for thread in threads:
         thread.join()
     assert rendered["b"] >= 50, rendered
+
+
+def _worker_pid(pool: RenderPool) -> int:
+    """The pid of the pool's one worker, once it is idle (a replacement has started)."""
+    deadline = time.monotonic() + 30
+    while not pool._idle and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.05)
+    (slot,) = pool._idle  # noqa: SLF001
+    assert slot.child is not None
+    return slot.child.proc.pid
 
 
 def _render(pool: RenderPool, tokenizer: Any, template: str, client: str) -> str:
