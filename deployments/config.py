@@ -16,6 +16,7 @@ from app.engine.config import EngineConfig
 from app.models.source import DEFAULT_MODEL
 from app.text.reasoning import REASONING_PARSERS
 from deployments.database_config import DatabaseConfig, moved_database_keys
+from deployments.files_config import FilesConfig
 from deployments.operator_config import OperatorConfig
 
 
@@ -217,6 +218,7 @@ class AppConfig(BaseModel):
     embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
     database: DatabaseConfig = Field(default_factory=DatabaseConfig)
     assistants: AssistantsConfig = Field(default_factory=AssistantsConfig)
+    files: FilesConfig = Field(default_factory=FilesConfig)
     operator: OperatorConfig = Field(default_factory=OperatorConfig)
     tokenizer_num_cpus: float = Field(0.25, gt=0)
     ingress_num_cpus: float = Field(0.25, gt=0)

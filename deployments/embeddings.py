@@ -4,6 +4,7 @@ torch and transformers are imported in the replica (`Embedder.__init__`), not by
 module: the `serve run` driver imports it to bind the deployment."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 from ray import serve
@@ -34,6 +35,11 @@ class Embedder:
         full = self.tokenizer("x").input_ids
         start = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
         self.around = (full[:start], full[start + len(bare) :])
+        # The tokens a passage is embedded in at once: what the model was trained on
+        # (sentence-transformers' max_seq_length: 256 for MiniLM), less [CLS] and [SEP].
+        trained = path / "sentence_bert_config.json"
+        seq = json.loads(trained.read_text()).get("max_seq_length") if trained.exists() else None
+        self.window = min(seq or self.max_length, self.max_length) - len(full) + len(bare)
 
     def embed(
         self, inputs: list[str | list[int | str]], truncate: bool = True
@@ -51,6 +57,41 @@ class Embedder:
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
             vectors = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return vectors.tolist(), int(batch["attention_mask"].sum())
+
+    def chunk(self, text: str, max_tokens: int, overlap: int) -> list[tuple[str, list[int]]]:
+        """`text` cut into chunks of at most `max_tokens` of this model's tokens, each
+        starting `max_tokens - overlap` tokens after the one before (OpenAI's `static`
+        chunking), as (the chunk's text, its token ids). A chunk's text is the source's
+        own characters from its first token to its last, so nothing is re-spelled."""
+        enc = self.tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+        )
+        ids, spans = enc.input_ids, enc.offset_mapping
+        stride = max(1, max_tokens - overlap)
+        chunks = []
+        for start in range(0, max(len(ids) - overlap, 1), stride):
+            end = min(start + max_tokens, len(ids))
+            if start >= end:
+                break
+            chunks.append((text[spans[start][0] : spans[end - 1][1]], ids[start:end]))
+        return chunks
+
+    def embed_passages(self, passages: list[list[int]]) -> list[list[float]]:
+        """One unit vector per passage (token ids): a passage longer than the model's
+        window is embedded window by window and their mean taken, so that its end counts
+        as much as its start (a truncated one would say only its first 256 tokens)."""
+        import torch
+
+        windows, owner = [], []
+        for i, ids in enumerate(passages):
+            for start in range(0, max(len(ids), 1), self.window):
+                windows.append(ids[start : start + self.window])
+                owner.append(i)
+        vectors = torch.tensor(self.embed(windows, truncate=True)[0]) if windows else None
+        out = torch.zeros(len(passages), vectors.shape[1] if vectors is not None else 1)
+        if vectors is not None:
+            out.index_add_(0, torch.tensor(owner), vectors)
+        return torch.nn.functional.normalize(out, p=2, dim=-1).tolist()
 
     def _ids(self, value: str | list[int | str], index: int, truncate: bool) -> list[int]:
         ids: list[int] = []

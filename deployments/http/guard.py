@@ -9,7 +9,9 @@ client disconnects and a deadline, the same for every route and whatever the cli
 - **Body size.** The body is read here, before any route, and refused with 413 once past
   `max_request_bytes`, whether the client declared a Content-Length or streamed it in
   chunks, and with 408 if it has not all arrived after `request_body_timeout_s`. The
-  route then reads the buffered body.
+  route then reads the buffered body. An upload (`POST /v1/files`) is bounded instead by
+  `files.max_file_bytes` and a little room for its multipart framing; the route counts
+  the file's own bytes.
 - **Disconnects.** When the client goes, the route's task is cancelled, so its generation
   is aborted at every hop. Serve's proxy does that, unless the client sent
   `x-request-disconnect-disabled: ?1`; then this layer watches the client's receive
@@ -54,6 +56,8 @@ Observer = Callable[[Scope, int, float], None]
 PUBLIC_PATHS = ("/health",)
 KEY_SUBPROTOCOL = "shoal.key."
 DISCONNECT_OPT_OUT = b"x-request-disconnect-disabled"
+UPLOAD_PATH = "/v1/files"
+UPLOAD_FRAMING = 64 * 1024  # multipart boundaries, part headers, `purpose`, `expires_after`
 
 
 @dataclass
@@ -85,6 +89,8 @@ class RequestGuard:
         self.allowed_hosts = list(config.allowed_hosts)
         self.loopback_operator = config.loopback_operator
         self.max_bytes = config.max_request_bytes
+        files = config.files
+        self.max_upload_bytes = files.max_file_bytes + UPLOAD_FRAMING if files.enabled else None
         self.timeout_s = config.request_timeout_s
         self.body_timeout_s = config.request_body_timeout_s
         self.observe = observe
@@ -142,13 +148,14 @@ class RequestGuard:
                 send, 401, error_body(path, 401, "Invalid or missing API key", "invalid_api_key")
             )
             return
+        limit = self._body_limit(scope, path)
         declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._too_large(send, path)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._too_large(send, path, limit)
             return
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                body = await _read_body(receive, self.max_bytes)
+                body = await _read_body(receive, limit)
         except _ClientGone:
             return
         except TimeoutError:  # a client trickling its body would hold a slot for ever
@@ -156,7 +163,7 @@ class RequestGuard:
             await _reply(send, 408, error_body(path, 408, message, "request_timeout"))
             return
         if body is None:
-            await self._too_large(send, path)
+            await self._too_large(send, path, limit)
             return
         await self._run(_as_json(scope, body), receive, send, body, path)
 
@@ -230,8 +237,14 @@ class RequestGuard:
         keyed = bool(self.keys or self.admin_keys)
         return Caller(key_id(token) if valid else None, admin, admin or local, keyed)
 
-    async def _too_large(self, send: Send, path: str) -> None:
-        message = f"request body over {self.max_bytes} bytes"
+    def _body_limit(self, scope: Scope, path: str) -> int:
+        upload = scope.get("method") == "POST" and path.rstrip("/") == UPLOAD_PATH
+        if upload and self.max_upload_bytes is not None:
+            return self.max_upload_bytes
+        return self.max_bytes
+
+    async def _too_large(self, send: Send, path: str, limit: int) -> None:
+        message = f"request body over {limit} bytes"
         await _reply(send, 413, error_body(path, 413, message, "request_too_large"))
 
 

@@ -31,10 +31,37 @@ MIGRATION_LOCK = 0x5E0A1  # pg_advisory_xact_lock's key for our migrations
 KEYS_KEPT_S = 24 * 3600  # how long an Idempotency-Key is remembered
 
 
+def _sqlite_module() -> Any:
+    """pysqlite3 where it is installed: an SQLite that loads extensions (sqlite-vec), which
+    the stdlib's may not (pyenv builds it without). None: the stdlib's."""
+    try:
+        import pysqlite3.dbapi2 as module  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return module
+
+
+def _load_sqlite_vec(conn: Any) -> None:
+    """sqlite-vec into this connection, where the driver and the package allow; the
+    vector index asks `vec_version()` to know (deployments/retrieval/index.py)."""
+    try:
+        import sqlite_vec
+
+        conn.enable_load_extension(True)
+        sqlite_vec.load(conn)
+        conn.enable_load_extension(False)
+    except Exception as exc:  # noqa: BLE001  (no such package, or a driver without it)
+        logger.debug("sqlite-vec not loaded: %s", exc)
+
+
 def open_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        module = _sqlite_module()
+        extra = {"module": module} if module is not None else {}
         # A writer waits at most 5 s for the file's lock: well inside a run's lease.
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 5})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 5}, **extra
+        )
 
         @event.listens_for(engine, "connect")
         def _pragmas(conn: Any, _record: Any) -> None:
@@ -43,6 +70,7 @@ def open_engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
+            _load_sqlite_vec(conn)
 
         return engine
     return create_engine(url, pool_pre_ping=True)

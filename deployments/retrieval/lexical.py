@@ -1,0 +1,96 @@
+"""The lexical half of hybrid search: chunks ranked by the query's words, in the database's
+own full-text engine, so that it scales with the store as the vector index does.
+
+- SQLite: an FTS5 table beside the chunks (rowid: the chunk's seq), ranked by FTS5's
+  `bm25()`; written in the same transaction as the chunks.
+- PostgreSQL: `to_tsvector('english', text)` over the chunks themselves (a GIN index on
+  that expression, made at first use), ranked by `ts_rank_cd`.
+A query's words are OR-ed: a question shares some words with its answer, rarely all.
+"""
+
+import re
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from deployments.state.files import Chunk
+
+WORD = re.compile(r"\w+", re.UNICODE)
+MAX_TERMS = 64  # words of one query that count: a query is at most a few sentences
+
+
+def terms(query: str) -> list[str]:
+    seen: dict[str, None] = {}
+    for word in WORD.findall(query.lower()):
+        if len(word) > 1:
+            seen.setdefault(word, None)
+    return list(seen)[:MAX_TERMS]
+
+
+class LexicalIndex:
+    def __init__(self) -> None:
+        self._ready = False
+
+    def _ensure(self, s: Session) -> str:
+        dialect = s.get_bind().dialect.name
+        if not self._ready:
+            if dialect == "sqlite":
+                s.execute(
+                    text(
+                        "CREATE VIRTUAL TABLE IF NOT EXISTS chunk_terms "
+                        "USING fts5(text, store_id UNINDEXED)"
+                    )
+                )
+            elif dialect == "postgresql":
+                s.execute(
+                    text(
+                        "CREATE INDEX IF NOT EXISTS ix_chunks_terms ON chunks "
+                        "USING gin (to_tsvector('english', text))"
+                    )
+                )
+            self._ready = True
+        return dialect
+
+    def add(self, s: Session, store_id: str, chunks: list[Chunk]) -> None:
+        if chunks and self._ensure(s) == "sqlite":
+            s.execute(
+                text("INSERT INTO chunk_terms(rowid, text, store_id) VALUES (:seq, :text, :store)"),
+                [{"seq": c.seq, "text": c.text, "store": store_id} for c in chunks],
+            )
+
+    def delete(self, s: Session, seqs: list[int]) -> None:
+        if seqs and self._ensure(s) == "sqlite":
+            for start in range(0, len(seqs), 500):
+                marks = ",".join(str(int(q)) for q in seqs[start : start + 500])
+                s.execute(text(f"DELETE FROM chunk_terms WHERE rowid IN ({marks})"))
+
+    def search(self, s: Session, store_ids: list[str], query: str, k: int) -> list[int]:
+        words = terms(query)
+        if not words or not store_ids:
+            return []
+        dialect = self._ensure(s)
+        stores = {f"s{i}": store for i, store in enumerate(store_ids)}
+        among = ",".join(f":{name}" for name in stores)
+        if dialect == "sqlite":
+            match = " OR ".join('"' + w.replace('"', "") + '"' for w in words)
+            rows = s.execute(
+                text(
+                    "SELECT rowid FROM chunk_terms WHERE chunk_terms MATCH :match "
+                    f"AND store_id IN ({among}) ORDER BY bm25(chunk_terms) LIMIT :k"
+                ),
+                {"match": match, "k": k, **stores},
+            )
+        elif dialect == "postgresql":
+            query_text = " | ".join(words)
+            rows = s.execute(
+                text(
+                    "SELECT seq FROM chunks, to_tsquery('english', :q) query "
+                    f"WHERE store_id IN ({among}) "
+                    "AND to_tsvector('english', text) @@ query "
+                    "ORDER BY ts_rank_cd(to_tsvector('english', text), query) DESC LIMIT :k"
+                ),
+                {"q": query_text, "k": k, **stores},
+            )
+        else:
+            return []
+        return [int(r[0]) for r in rows]

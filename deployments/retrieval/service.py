@@ -1,0 +1,197 @@
+"""Retrieval: what the vector stores, Assistants' and Responses' `file_search` share, made
+once per ingress: the database, the vector index, the Embedder and the ingestor. Its
+`search` is the one way any of them finds the chunks nearest a query."""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from app.protocol.errors import InvalidRequestError, NotFoundError
+from deployments.files_config import FilesConfig
+from deployments.retrieval.filters import check, matches
+from deployments.retrieval.fusion import fuse
+from deployments.retrieval.index import Index, open_index
+from deployments.retrieval.ingest import Ingestor
+from deployments.retrieval.lexical import LexicalIndex
+from deployments.state.database import Database
+from deployments.state.files import Chunk, StoredFile, VectorStore, VectorStoreFile
+
+logger = logging.getLogger("ray.serve")
+# Each half of a hybrid search brings this many times the results asked for, so that the
+# fusion has candidates to agree on.
+CANDIDATES = 4
+FILTERED_POOL = 500  # candidates a filtered search chooses among
+
+
+@dataclass
+class Found:
+    """One chunk a search found, as every caller reports it."""
+
+    seq: int
+    file_id: str
+    filename: str
+    score: float
+    attributes: dict
+    text: str
+
+    def as_api(self) -> dict:
+        return {
+            "file_id": self.file_id,
+            "filename": self.filename,
+            "score": self.score,
+            "attributes": self.attributes,
+            "content": [{"type": "text", "text": self.text}],
+        }
+
+
+class Retrieval:
+    def __init__(self, url: str, config: FilesConfig, embedder: Any) -> None:
+        self.config = config
+        self.db = Database(url)
+        self.index: Index = open_index(self.db.engine)
+        self.lexical = LexicalIndex()
+        self.embedder = embedder
+        self.data_dir = Path(config.data_dir).expanduser()
+        self.ingestor = Ingestor(self.db, self.index, self.lexical, embedder, config, self.path_of)
+
+    def path_of(self, file_id: str) -> Path:
+        return self.data_dir / file_id
+
+    async def search(
+        self,
+        store_ids: list[str],
+        query: str,
+        k: int,
+        threshold: float = 0.0,
+        hybrid: bool = True,
+        filters: dict | None = None,
+    ) -> list[Found]:
+        """The `k` chunks of these stores nearest `query`: by vector similarity, fused
+        with a BM25 ranking of the same stores when `hybrid` (reciprocal rank fusion;
+        each result keeps its cosine similarity as its score). Below `threshold`, none.
+        With `filters`, only chunks of files whose attributes match, chosen among the
+        FILTERED_POOL nearest of each half."""
+        if filters is not None:
+            check(filters)
+        if len(query) > self.config.max_query_chars:
+            raise InvalidRequestError(
+                f"a query is at most {self.config.max_query_chars} characters", "query"
+            )
+        if not query.strip() or not store_ids:
+            return []
+        vectors, _ = await self.embedder.embed.remote([query], True)
+        want = k * CANDIDATES if hybrid else k
+        if filters is not None:
+            want = max(want, FILTERED_POOL)
+        return await self.db.work(
+            self._search, store_ids, query, vectors[0], k, want, threshold, hybrid, filters
+        )
+
+    def _search(
+        self,
+        s: Session,
+        store_ids: list[str],
+        query: str,
+        vector: list[float],
+        k: int,
+        want: int,
+        threshold: float,
+        hybrid: bool,
+        filters: dict | None,
+    ) -> list[Found]:
+        near = self.index.search(s, store_ids, vector, want)
+        scores = dict(near)
+        order = [seq for seq, _ in near]
+        if hybrid:
+            lexical = self.lexical.search(s, store_ids, query, want)
+            order = fuse([order, lexical])
+            missing = [seq for seq in order if seq not in scores]
+            scores.update(self._similarity(s, missing, vector))
+        picked = [seq for seq in order if scores.get(seq, 0.0) >= threshold]
+        found = self._found(s, picked, scores)
+        if filters is not None:
+            found = [f for f in found if matches(filters, f.attributes)]
+        return found[:k]
+
+    @staticmethod
+    def _similarity(s: Session, seqs: list[int], vector: list[float]) -> dict[int, float]:
+        """Cosine similarity of chunks BM25 alone found: every result has one score."""
+        import numpy as np
+
+        q = np.asarray(vector, dtype=np.float32)
+        rows = s.execute(select(Chunk.seq, Chunk.embedding).where(Chunk.seq.in_(seqs))).all()
+        return {seq: float(np.frombuffer(blob, dtype=np.float32) @ q) for seq, blob in rows}
+
+    @staticmethod
+    def _found(s: Session, seqs: list[int], scores: dict[int, float]) -> list[Found]:
+        if not seqs:
+            return []
+        chunks = {c.seq: c for c in s.scalars(select(Chunk).where(Chunk.seq.in_(seqs)))}
+        files = {c.file_id for c in chunks.values()}
+        names = dict(
+            s.execute(
+                select(StoredFile.id, StoredFile.filename).where(StoredFile.id.in_(files))
+            ).all()
+        )
+        attrs = {
+            (r.store_id, r.file_id): r.attributes or {}
+            for r in s.scalars(select(VectorStoreFile).where(VectorStoreFile.file_id.in_(files)))
+        }
+        out = []
+        for seq in seqs:
+            c = chunks.get(seq)
+            if c is None:  # deleted between the index's answer and this read
+                continue
+            name = names.get(c.file_id, c.file_id)
+            attributes = attrs.get((c.store_id, c.file_id), {})
+            out.append(Found(seq, c.file_id, name, round(scores[seq], 6), attributes, c.text))
+        return out
+
+    def drop_chunks(self, s: Session, store_id: str, file_id: str | None) -> None:
+        """The chunks of this file in this store (every file's when None), from the
+        table and both indexes; the store's version moves on."""
+        where = [Chunk.store_id == store_id]
+        if file_id is not None:
+            where.append(Chunk.file_id == file_id)
+        seqs = list(s.scalars(select(Chunk.seq).where(*where)))
+        if seqs:
+            self.index.delete(s, store_id, seqs)
+            self.lexical.delete(s, seqs)
+            s.execute(delete(Chunk).where(*where))
+        s.execute(
+            update(VectorStore)
+            .where(VectorStore.id == store_id)
+            .values(version=VectorStore.version + 1)
+        )
+
+    async def forget_file(self, file_id: str) -> None:
+        """A deleted file leaves every store it was in, chunks and all."""
+
+        def work(s: Session) -> None:
+            rows = s.scalars(select(VectorStoreFile).where(VectorStoreFile.file_id == file_id))
+            for row in list(rows):
+                self.drop_chunks(s, row.store_id, file_id)
+                s.delete(row)
+
+        await self.db.work(work)
+
+    def start(self) -> None:
+        """Index in the background from now (idempotent)."""
+        self.ingestor.start()
+
+    async def stop(self) -> None:
+        await self.ingestor.stop()
+        await asyncio.to_thread(self.db.close)
+
+
+def retrieval_needed(retrieval: "Retrieval | None") -> "Retrieval":
+    if retrieval is None:
+        raise NotFoundError(
+            "vector stores are turned off on this server (they need `files` and `embeddings`)"
+        )
+    return retrieval
