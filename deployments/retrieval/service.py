@@ -13,12 +13,14 @@ from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
 from deployments.files_config import FilesConfig
+from deployments.http.caller import Caller
 from deployments.retrieval.filters import check, matches
 from deployments.retrieval.fusion import fuse
 from deployments.retrieval.index import Index, open_index
 from deployments.retrieval.ingest import Ingestor
 from deployments.retrieval.lexical import LexicalIndex
-from deployments.state.database import Database
+from deployments.retrieval.stores import new_store, pending, queue_files
+from deployments.state.database import Database, find
 from deployments.state.files import Chunk, StoredFile, VectorStore, VectorStoreFile
 
 logger = logging.getLogger("ray.serve")
@@ -179,6 +181,68 @@ class Retrieval:
                 s.delete(row)
 
         await self.db.work(work)
+
+    async def thread_store(
+        self, who: Caller | None, name: str, file_ids: list[str], days: int = 7
+    ) -> str:
+        """A new store holding these files (queued for indexing), as OpenAI makes one for
+        a thread whose messages bring files: it expires after `days` of no use."""
+
+        def work(s: Session) -> str:
+            store = new_store(
+                s, who, name=name, expires_after={"anchor": "last_active_at", "days": days}
+            )
+            queue_files(
+                s,
+                store,
+                [{"file_id": f} for f in file_ids],
+                None,
+                who,
+                self.config.max_files_per_store,
+            )
+            return store.id
+
+        made = await self.db.work(work)
+        self.ingestor.poke()
+        return made
+
+    async def add_files(self, store_id: str, file_ids: list[str], who: Caller | None) -> None:
+        """Queue more files in a store `who` may use (a thread's own, say)."""
+
+        def work(s: Session) -> None:
+            store = find(s, VectorStore, store_id, who)
+            queue_files(
+                s,
+                store,
+                [{"file_id": f} for f in file_ids],
+                None,
+                who,
+                self.config.max_files_per_store,
+            )
+
+        await self.db.work(work)
+        self.ingestor.poke()
+
+    async def usable(self, store_ids: list[str], who: Caller | None) -> None:
+        """404 unless `who` may search every one of these stores."""
+
+        def work(s: Session) -> None:
+            for store_id in store_ids:
+                find(s, VectorStore, store_id, who)
+
+        await self.db.work(work)
+
+    async def wait_indexed(self, store_ids: list[str], timeout_s: float) -> int:
+        """Wait until no file of these stores is being indexed, or `timeout_s` passed (a
+        run searches what there is then, as OpenAI's waits for its stores); the files
+        still in progress."""
+        self.start()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            left = await self.db.work(pending, store_ids)
+            if not left or asyncio.get_running_loop().time() >= deadline:
+                return left
+            await asyncio.sleep(0.2)
 
     def start(self) -> None:
         """Index in the background from now (idempotent)."""

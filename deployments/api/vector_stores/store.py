@@ -9,26 +9,22 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from app.protocol.errors import ConflictError, InvalidRequestError
+from app.protocol.errors import InvalidRequestError
 from deployments.http.caller import Caller
 from deployments.retrieval.service import Retrieval
+from deployments.retrieval.stores import expiry as _expiry
+from deployments.retrieval.stores import new_store, queue_files
 from deployments.state.base import new_id, now
 from deployments.state.database import find, page
 from deployments.state.files import (
     FILE_STATUSES,
     Chunk,
     FileBatch,
-    StoredFile,
     VectorStore,
     VectorStoreFile,
 )
 
 Who = Caller | None
-DAY_S = 86_400
-
-
-def owner(who: Who) -> str | None:
-    return None if who is None else who.key_id
 
 
 def counts(s: Session, store_id: str, batch_id: str | None = None) -> dict[str, int]:
@@ -51,11 +47,6 @@ def store_api(s: Session, store: VectorStore) -> dict:
     return store.as_api(counts(s, store.id), int(used or 0))
 
 
-def _expiry(store: VectorStore) -> None:
-    after = store.expires_after
-    store.expires_at = None if not after else store.last_active_at + after["days"] * DAY_S
-
-
 class VectorStoresStore:
     def __init__(self, retrieval: Retrieval) -> None:
         self.retrieval = retrieval
@@ -65,10 +56,7 @@ class VectorStoresStore:
     # ---- stores -----------------------------------------------------------------------
     async def create(self, fields: dict, entries: list[dict], who: Who) -> dict:
         def work(s: Session) -> dict:
-            store = VectorStore(id=new_id("vs"), owner=owner(who), version=0, **fields)
-            store.last_active_at = now()
-            _expiry(store)
-            s.add(store)
+            store = new_store(s, who, **fields)
             self._add_files(s, store, entries, None, who)
             s.flush()
             return store_api(s, store)
@@ -128,49 +116,7 @@ class VectorStoresStore:
     def _add_files(
         self, s: Session, store: VectorStore, entries: list[dict], batch: str | None, who: Who
     ) -> list[VectorStoreFile]:
-        """Queue these files in the store (a file already there is left as it is)."""
-        ids = [e["file_id"] for e in entries]
-        for file_id in ids:
-            find(s, StoredFile, file_id, who)  # 404 for a file the caller may not see
-        held = s.scalar(select(func.count()).where(VectorStoreFile.store_id == store.id)) or 0
-        there = {
-            r.file_id: r
-            for r in s.scalars(
-                select(VectorStoreFile).where(
-                    VectorStoreFile.store_id == store.id, VectorStoreFile.file_id.in_(ids)
-                )
-            )
-        }
-        new = [
-            e
-            for e in dict((e["file_id"], e) for e in entries).values()
-            if e["file_id"] not in there
-        ]
-        if held + len(new) > self.max_files:
-            raise ConflictError(
-                f"a vector store holds at most {self.max_files:,} files; {store.id} holds {held:,}"
-            )
-        rows = []
-        for e in entries:
-            row = there.get(e["file_id"])
-            if row is None:
-                row = VectorStoreFile(
-                    store_id=store.id,
-                    file_id=e["file_id"],
-                    batch_id=batch,
-                    status="in_progress",
-                    chunking=e["chunking"],
-                    attributes=e.get("attributes"),
-                    usage_bytes=0,
-                    leased_at=0.0,
-                )
-                s.add(row)
-                there[e["file_id"]] = row
-            rows.append(row)
-        store.last_active_at = now()
-        _expiry(store)
-        s.flush()
-        return rows
+        return queue_files(s, store, entries, batch, who, self.max_files)
 
     async def get_file(self, store_id: str, file_id: str, who: Who) -> dict:
         return await self.db.work(lambda s: self._file(s, store_id, file_id, who).as_api())
