@@ -7,6 +7,11 @@ shares one persistent context (deployments/api/warm_context.py): a follow-up app
 new tokens, with no re-prefill of the history (a branch started while another turn of
 its chain holds the context runs without it). `instructions` are never carried over,
 as OpenAI documents: each request's own lead the prompt.
+
+Or it may continue a `conversation` (conversations.py), never both: the conversation's
+items, then the new input; its input and output items are added to the conversation
+when it ends, with the stored response, in one transaction (a failed response adds
+nothing). A conversation is a persistent context as a chain is, named after it.
 """
 
 import logging
@@ -19,10 +24,13 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.sampling import SamplingParams
 from app.text.reasoning import ReasoningFormat
+from deployments.api.responses import conversation_store
+from deployments.api.responses.conversation_store import ConversationStore, Joined
 from deployments.api.responses.events import error_event, response_events
+from deployments.api.responses.item_messages import input_new_items, listed_item
 from deployments.api.responses.schema import ResponsesRequest
-from deployments.api.responses.store import ResponseStore
-from deployments.api.responses.turn import Turn, listed_item, output_items
+from deployments.api.responses.store import Entry, ResponseStore
+from deployments.api.responses.turn import Turn, output_items
 from deployments.api.warm_context import free, generate_in_context
 from deployments.http.caller import Caller, caller_of
 from deployments.http.chat_turn import ChatTurn, prepare
@@ -43,6 +51,7 @@ router = APIRouter(prefix="/v1")
 def install(app: FastAPI, ingress: Ingress) -> None:
     """Stored responses live in the app's database, which every ingress replica shares."""
     store = app.state.responses = ResponseStore(Database(ingress.config.database.sqlalchemy_url()))
+    app.state.conversations = ConversationStore(store.db)  # conversations.py's, one database
 
     async def stop() -> None:
         store.close()
@@ -54,7 +63,12 @@ def _store(request: Request) -> ResponseStore:
     return request.app.state.responses
 
 
+def _conversations(request: Request) -> ConversationStore:
+    return request.app.state.conversations
+
+
 StoreDep = Annotated[ResponseStore, Depends(_store)]
+ConversationsDep = Annotated[ConversationStore, Depends(_conversations)]
 WhoDep = Annotated[Caller, Depends(caller_of)]  # a key sees only the responses it made
 
 
@@ -64,13 +78,15 @@ def context_id(chain: str) -> str:
 
 @router.post("/responses")
 async def create(
-    req: ResponsesRequest, ingress: IngressDep, store: StoreDep, tag: RequestTag, who: WhoDep
+    req: ResponsesRequest,
+    ingress: IngressDep,
+    store: StoreDep,
+    conversations: ConversationsDep,
+    tag: RequestTag,
+    who: WhoDep,
 ):  # noqa: ANN201
     name = ingress.served_name(req.model)
-    previous, history = None, []
-    if req.previous_response_id is not None:
-        previous, history = await store.conversation(req.previous_response_id, who)
-    new_messages = req.input_messages()
+    previous, history, new_messages, joined = await _continued(req, store, conversations, who)
     lead = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = ChatTurn(
         name,
@@ -84,14 +100,34 @@ async def create(
     rid = f"resp_{uuid.uuid4().hex}"
     chain = previous.chain if previous is not None else rid
     cid = context_id(chain) if req.store else None
+    if joined is not None:  # the conversation's context, whatever becomes of the response
+        cid = conversation_store.context_id(joined.id)
     gen, reused = await _start(ingress, name, ids, params, tag, cid, prepared.reasoning)
+    made = int(time.time())
     turn = Turn(
-        rid, name, req, int(time.time()), chain, len(ids), reused, new_messages, fmt, who.key_id
+        rid, name, req, made, chain, len(ids), reused, new_messages, fmt, who.key_id, joined
     )
     if req.stream:
         return stream(gen, response_events(turn, gen, store), WIRE)
     await gen.drain()
     return await turn.finish(store, output_items(gen.outputs[0], fmt), gen)
+
+
+async def _continued(
+    req: ResponsesRequest, store: ResponseStore, conversations: ConversationStore, who: Caller
+) -> tuple[Entry | None, list[dict], list[dict], Joined | None]:
+    """What the turn continues: the response it follows, the history before its input,
+    its own messages (what its stored entry keeps), and its conversation. A turn of a
+    conversation keeps the whole conversation as its own messages: a response continued
+    later by `previous_response_id` goes on from all of it, as OpenAI's does."""
+    conversation = req.conversation_id()
+    if conversation is not None:
+        joined = Joined(conversation, input_new_items(req.checked_input(), "input"))
+        return None, [], await conversations.messages(joined, who), joined
+    if req.previous_response_id is None:
+        return None, [], req.input_messages(), None
+    previous, history = await store.conversation(req.previous_response_id, who)
+    return previous, history, req.input_messages(), None
 
 
 async def _start(

@@ -5,18 +5,27 @@ Strict like the other OpenAI schemas: an unknown field is a 400 naming it; a fie
 server does not honour is accepted only with a value that asks for nothing. Input items
 (items.py) are messages (text parts only), function calls and their outputs, and
 reasoning items (an earlier turn's thinking, given to the template with the assistant
-turn after it), each with exactly its own fields.
+turn after it), each with exactly its own fields. The Conversations API's bodies
+(conversations.py) are here too: their items are checked as input items are.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from app.protocol.errors import InvalidRequestError
 from app.protocol.sampling import Constraint, SamplingParams, sampling_params
 from deployments.api.responses.items import (
     NOT_SUPPORTED,
     FunctionCallItem,
+    InputItem,
     MessageItem,
     ReasoningItem,
     input_items,
@@ -39,7 +48,6 @@ INERT_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning": (None, {}),
     "include": (None, []),
     "background": (None, False),
-    "conversation": (None,),
     "prompt": (None,),
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
@@ -47,6 +55,40 @@ INERT_FIELDS: dict[str, tuple[Any, ...]] = {
     "context_management": (None,),
     "moderation": (None,),
 }
+
+
+# OpenAI's metadata: 16 pairs at most, keys of 64 characters, values of 512.
+Metadata = Annotated[
+    dict[
+        Annotated[str, StringConstraints(max_length=64)],
+        Annotated[str, StringConstraints(max_length=512)],
+    ],
+    Field(max_length=16),
+]
+
+
+class ConversationRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(max_length=128)
+
+
+class ConversationCreate(BaseModel):
+    """POST /v1/conversations: `items` are checked as Responses input items are
+    (item_messages.new_items), up to 20."""
+
+    model_config = ConfigDict(extra="forbid")
+    metadata: Metadata | None = None
+    items: list[Any] | None = None
+
+
+class ConversationUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    metadata: Metadata | None  # required, as OpenAI's: null clears it
+
+
+class ItemsCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[Any] = Field(min_length=1)
 
 
 class FunctionTool(BaseModel):
@@ -97,6 +139,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     metadata: dict[str, str] | None = Field(None, max_length=16)
     previous_response_id: str | None = Field(None, max_length=128)
+    conversation: Annotated[str, Field(max_length=128)] | ConversationRef | None = None
     # Who asks and cache hints: accepted; nothing here depends on them.
     user: str | None = None
     safety_identifier: str | None = None
@@ -122,6 +165,12 @@ class ResponsesRequest(BaseModel):
                 raise InvalidRequestError(f"tools of type {kind!r} {NOT_SUPPORTED}", "tools")
         if not self.input:
             raise InvalidRequestError("input must not be empty", "input")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise InvalidRequestError(
+                "Mutually exclusive parameters: Ensure you are only providing one of: "
+                "'previous_response_id' or 'conversation'.",
+                "conversation",
+            )
         self.tool_fields()  # unique names, a named choice among them
         return self
 
@@ -174,13 +223,21 @@ class ResponsesRequest(BaseModel):
             return [{"type": "message", "role": "user", "content": self.input}]
         return [item.model_dump(exclude_unset=True) for item in self.input]
 
+    def conversation_id(self) -> str | None:
+        ref = self.conversation
+        return ref.id if isinstance(ref, ConversationRef) else ref
+
+    def checked_input(self) -> list[InputItem]:
+        """The input as checked items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return self.input
+
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat-template messages: function calls become an
         assistant's tool_calls (consecutive ones, one message), their outputs tool
         messages, reasoning items the next assistant message's reasoning_content."""
-        items = self.input if isinstance(self.input, list) else []
-        if isinstance(self.input, str):
-            items = [MessageItem(role="user", content=self.input)]
+        items = self.checked_input()
         out: list[dict[str, Any]] = []
         thinking: list[str] = []  # reasoning items waiting for their assistant turn
         for i, item in enumerate(items):

@@ -6,6 +6,7 @@ its key's: another key reads, lists, deletes or continues it as one never stored
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,24 +73,15 @@ class ResponseStore:
     ) -> Entry:
         return await self.db.work(lambda s: _entry(_get(s, response_id, param, who)))
 
-    async def put(self, entry: Entry) -> None:
-        size = len(json.dumps([entry.input_items, entry.messages, entry.body], default=str))
+    async def put(self, entry: Entry | None, also: Callable[[Session], Any] | None = None) -> None:
+        """Store `entry` (None: a response not stored) and do `also` in the same
+        transaction (a conversation's new items): both are kept, or neither."""
 
         def work(s: Session) -> None:
-            s.execute(delete(StoredResponse).where(StoredResponse.created_at < now() - KEPT_S))
-            s.merge(
-                StoredResponse(
-                    id=entry.id,
-                    model=entry.model,
-                    chain=entry.chain,
-                    previous_id=entry.previous_id,
-                    input_items=entry.input_items,
-                    messages=entry.messages,
-                    body=entry.body,
-                    size=size,
-                    owner=entry.owner,
-                )
-            )
+            if entry is not None:
+                _put(s, entry)
+            if also is not None:
+                also(s)
 
         try:
             await self.db.work(work)
@@ -119,6 +111,24 @@ class ResponseStore:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _put(s: Session, entry: Entry) -> None:
+    size = len(json.dumps([entry.input_items, entry.messages, entry.body], default=str))
+    s.execute(delete(StoredResponse).where(StoredResponse.created_at < now() - KEPT_S))
+    s.merge(
+        StoredResponse(
+            id=entry.id,
+            model=entry.model,
+            chain=entry.chain,
+            previous_id=entry.previous_id,
+            input_items=entry.input_items,
+            messages=entry.messages,
+            body=entry.body,
+            size=size,
+            owner=entry.owner,
+        )
+    )
 
 
 def _conversation(

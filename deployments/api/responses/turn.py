@@ -2,13 +2,15 @@
 entry, and its output items (a reasoning model's thinking, assistant text and function
 calls) built from the output."""
 
-import json
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import whole_output
+from deployments.api.responses.conversation_store import Joined, append_turn
+from deployments.api.responses.item_messages import assistant_message, output_new_items
 from deployments.api.responses.schema import ResponsesRequest
 from deployments.api.responses.store import Entry, ResponseStore
 from deployments.http.generation import Generation, OutputState
@@ -28,6 +30,7 @@ class Turn:
     new_messages: list[dict[str, Any]]
     fmt: ToolFormat | None
     owner: str | None = None  # the id of the key that asked
+    conversation: Joined | None = None  # the conversation it continues and adds to
 
     def body(self, status: str, output: list[dict], gen: Generation | None) -> dict[str, Any]:
         req = self.req
@@ -72,26 +75,33 @@ class Turn:
             "usage": usage,
             "user": req.user,
             "metadata": req.metadata or {},
+            **({"conversation": {"id": self.conversation.id}} if self.conversation else {}),
         }
 
     async def finish(self, store: ResponseStore, output: list[dict], gen: Generation) -> dict:
-        """The finished response's object, stored (with `store`) for GET and follow-ups."""
+        """The finished response's object, stored (with `store`) for GET and follow-ups,
+        and its input and output items added to its conversation: all in one transaction,
+        so a conversation never holds half a turn."""
         status = "incomplete" if gen.outputs[0].finish_reason == "length" else "completed"
         body = self.body(status, output, gen)
+        entry = None
         if self.req.store:
             messages = [*self.new_messages, assistant_message(output)]
-            await store.put(
-                Entry(
-                    self.id,
-                    self.model,
-                    self.chain,
-                    self.req.previous_response_id,
-                    self.req.input_items(),
-                    messages,
-                    body,
-                    self.owner,
-                )
+            entry = Entry(
+                self.id,
+                self.model,
+                self.chain,
+                self.req.previous_response_id,
+                self.req.input_items(),
+                messages,
+                body,
+                self.owner,
             )
+        joined, also = self.conversation, None
+        if joined is not None:
+            also = partial(append_turn, joined.id, [*joined.items, *output_new_items(output)])
+        if entry is not None or also is not None:
+            await store.put(entry, also)
         return body
 
 
@@ -138,58 +148,6 @@ def output_items(out: OutputState, fmt: ToolFormat | None) -> list[dict]:
     return items + [call_item(i, c.name, c.arguments) for i, c in calls]
 
 
-def assistant_message(output: list[dict]) -> dict[str, Any]:
-    """The output as the chat template renders it in the next turn's prompt (the
-    template decides whether to show the thinking)."""
-    text = "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"])
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    thoughts = [c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]]
-    if thoughts:
-        message["reasoning_content"] = "".join(thoughts)
-    calls = [i for i in output if i["type"] == "function_call"]
-    if calls:
-        message["tool_calls"] = [
-            {
-                "id": c["call_id"],
-                "type": "function",
-                "function": {"name": c["name"], "arguments": _json_object(c["arguments"])},
-            }
-            for c in calls
-        ]
-    return message
-
-
-def listed_item(response_id: str, index: int, item: dict[str, Any]) -> dict[str, Any]:
-    """An input item as OpenAI lists it: an id (the client's, or one made from the
-    response's and the item's place, the same on every listing, for `after`), a status,
-    and a message's text as input_text parts (output_text for the assistant's)."""
-    kind = item.get("type", "message")
-    prefix = {
-        "message": "msg",
-        "function_call": "fc",
-        "function_call_output": "fco",
-        "reasoning": "rs",
-    }[kind]
-    listed = {
-        **item,
-        "type": kind,
-        "id": item.get("id") or f"{prefix}_{response_id.removeprefix('resp_')}_{index}",
-        "status": "completed",
-    }
-    if kind == "reasoning":
-        listed.setdefault("summary", [])
-    if kind == "message":
-        content = item["content"]
-        texts = [content] if isinstance(content, str) else [p["text"] for p in content]
-        if item["role"] == "assistant":
-            listed["content"] = [
-                {"type": "output_text", "text": t, "annotations": []} for t in texts
-            ]
-        else:
-            listed["content"] = [{"type": "input_text", "text": t} for t in texts]
-    return listed
-
-
 def _text_echo(req: ResponsesRequest) -> dict[str, Any]:
     fmt = req.text.format if req.text else None
     if fmt is None or fmt.type != "json_schema":  # text and json_object: the type alone
@@ -199,10 +157,3 @@ def _text_echo(req: ResponsesRequest) -> dict[str, Any]:
     if req.text and req.text.verbosity:
         echo["verbosity"] = req.text.verbosity
     return echo
-
-
-def _json_object(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return {}  # cut off mid-call: templates take arguments as an object

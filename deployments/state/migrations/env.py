@@ -5,7 +5,14 @@ the metadata is the whole database's."""
 from alembic import context
 from sqlalchemy import create_engine
 
-from deployments.state import assistants, downloads, inference, responses  # noqa: F401 (tables)
+from deployments.state import (  # noqa: F401 (tables)
+    assistants,
+    conversations,
+    downloads,
+    files,
+    inference,
+    responses,
+)
 from deployments.state.base import Base
 
 config = context.config
