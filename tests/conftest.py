@@ -21,6 +21,7 @@ collect_ignore = [] if torch.cuda.is_available() else ["engine/test_decode_graph
 _STATE = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
 os.environ.setdefault("SHOAL_ASSISTANTS_DB", str(_STATE / "assistants.sqlite3"))
 os.environ.setdefault("SHOAL_MODELS_DIR", str(_STATE / "models"))  # the operator's downloads
+os.environ.setdefault("SHOAL_DATA_DIR", str(_STATE / "files"))  # uploaded files' bytes
 
 
 # `app:graph` sets Ray's quieter timers in this process's environment for the Ray that

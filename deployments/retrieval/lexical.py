@@ -1,11 +1,14 @@
 """The lexical half of hybrid search: chunks ranked by the query's words, in the database's
 own full-text engine, so that it scales with the store as the vector index does.
 
-- SQLite: an FTS5 table beside the chunks (rowid: the chunk's seq), ranked by FTS5's
+- SQLite: an FTS5 table beside the chunks (rowid: the chunk's seq), its words stemmed
+  (Porter: a question says "erupts" where the text says "eruption"), ranked by FTS5's
   `bm25()`; written in the same transaction as the chunks.
-- PostgreSQL: `to_tsvector('english', text)` over the chunks themselves (a GIN index on
-  that expression, made at first use), ranked by `ts_rank_cd`.
-A query's words are OR-ed: a question shares some words with its answer, rarely all.
+- PostgreSQL: the chunks' own `terms` column (`to_tsvector('english', text)`, generated
+  when a chunk is written, GIN-indexed: migration 0006), ranked by `ts_rank_cd`.
+A query's words are OR-ed (a question shares some words with its answer, rarely all),
+less the commonest English words, which would match nearly every chunk and make the
+ranking score the whole store.
 """
 
 import re
@@ -19,10 +22,80 @@ WORD = re.compile(r"\w+", re.UNICODE)
 MAX_TERMS = 64  # words of one query that count: a query is at most a few sentences
 
 
+STOP = frozenset(
+    [
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "for",
+        "from",
+        "had",
+        "has",
+        "have",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "it",
+        "its",
+        "may",
+        "might",
+        "must",
+        "not",
+        "of",
+        "on",
+        "or",
+        "should",
+        "so",
+        "than",
+        "that",
+        "the",
+        "their",
+        "them",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "to",
+        "was",
+        "we",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "who",
+        "whom",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+    ]
+)
+
+
 def terms(query: str) -> list[str]:
     seen: dict[str, None] = {}
     for word in WORD.findall(query.lower()):
-        if len(word) > 1:
+        if len(word) > 1 and word not in STOP:
             seen.setdefault(word, None)
     return list(seen)[:MAX_TERMS]
 
@@ -38,14 +111,7 @@ class LexicalIndex:
                 s.execute(
                     text(
                         "CREATE VIRTUAL TABLE IF NOT EXISTS chunk_terms "
-                        "USING fts5(text, store_id UNINDEXED)"
-                    )
-                )
-            elif dialect == "postgresql":
-                s.execute(
-                    text(
-                        "CREATE INDEX IF NOT EXISTS ix_chunks_terms ON chunks "
-                        "USING gin (to_tsvector('english', text))"
+                        "USING fts5(text, store_id UNINDEXED, tokenize='porter unicode61')"
                     )
                 )
             self._ready = True
@@ -85,9 +151,8 @@ class LexicalIndex:
             rows = s.execute(
                 text(
                     "SELECT seq FROM chunks, to_tsquery('english', :q) query "
-                    f"WHERE store_id IN ({among}) "
-                    "AND to_tsvector('english', text) @@ query "
-                    "ORDER BY ts_rank_cd(to_tsvector('english', text), query) DESC LIMIT :k"
+                    f"WHERE store_id IN ({among}) AND terms @@ query "
+                    "ORDER BY ts_rank_cd(terms, query) DESC LIMIT :k"
                 ),
                 {"q": query_text, "k": k, **stores},
             )

@@ -94,7 +94,8 @@ class VectorStoreFile(Base):
     created_at: Mapped[int] = mapped_column(Integer, default=now)
     status: Mapped[str] = mapped_column(String(16), default="in_progress", index=True)
     last_error: Mapped[dict | None] = mapped_column(JSON)
-    chunking: Mapped[dict] = mapped_column(JSON)  # {"max_chunk_size_tokens", "chunk_overlap_tokens"}
+    # {"max_chunk_size_tokens", "chunk_overlap_tokens"}: how this file is cut
+    chunking: Mapped[dict] = mapped_column(JSON)
     attributes: Mapped[dict | None] = mapped_column(JSON)
     usage_bytes: Mapped[int] = mapped_column(Integer, default=0)
     # When an ingress last showed it was indexing this file (its lease): see ingest.py.

@@ -43,22 +43,22 @@ def embedder():
 @pytest.fixture(scope="module", params=["sqlite", POSTGRES])
 def served(request, smollm2_engine, embedder, tmp_path_factory):
     root = tmp_path_factory.mktemp("vs")
+
+    def app_on(url: str):  # noqa: ANN202
+        config = AppConfig.model_validate(
+            {
+                "database": {"url": url},
+                "files": {"data_dir": str(root / "files"), "ingest_lease_s": 1.0},
+                "models": [{"name": MODEL}],
+            }
+        )
+        return local_app(config, smollm2_engine, embedder)
+
     if request.param == "sqlite":
-        urls = [f"sqlite:///{root / 'app.sqlite3'}"]
-    else:
-        urls = None
-    config_for = lambda url: AppConfig.model_validate(  # noqa: E731
-        {
-            "database": {"url": url},
-            "files": {"data_dir": str(root / "files"), "ingest_lease_s": 1.0},
-            "models": [{"name": MODEL}],
-        }
-    )
-    if urls is not None:
-        with local_app(config_for(urls[0]), smollm2_engine, embedder) as (app, _):
+        with app_on(f"sqlite:///{root / 'app.sqlite3'}") as (app, _):
             yield app
         return
-    with postgres_server() as url, local_app(config_for(url), smollm2_engine, embedder) as (app, _):
+    with postgres_server() as url, app_on(url) as (app, _):
         yield app
 
 

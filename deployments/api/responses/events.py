@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from app.protocol.errors import ShoalError
 from app.text.tool_stream import CallFragment, ToolCallStream
+from deployments.api.responses.file_search import search_events
 from deployments.api.responses.store import ResponseStore
 from deployments.api.responses.turn import Turn, call_item, message_item, reasoning_item
 from deployments.http.generation import Generation
@@ -130,6 +131,10 @@ async def response_events(turn: Turn, gen: Generation, store: ResponseStore) -> 
     yield numbered({"type": "response.created", "response": turn.body("in_progress", [], None)})
     yield numbered({"type": "response.in_progress", "response": turn.body("in_progress", [], None)})
     items = _Items()
+    if turn.searched is not None:  # searched before the first token: its item is first
+        for event in search_events(turn.searched, items.index):
+            yield numbered(event)
+        items.done.append(turn.searched.item)
     calls = ToolCallStream(turn.fmt) if turn.fmt is not None else None
     try:
         async for d in gen.deltas():

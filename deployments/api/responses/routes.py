@@ -27,6 +27,7 @@ from app.text.reasoning import ReasoningFormat
 from deployments.api.responses import conversation_store
 from deployments.api.responses.conversation_store import ConversationStore, Joined
 from deployments.api.responses.events import error_event, response_events
+from deployments.api.responses.file_search import search_turn
 from deployments.api.responses.item_messages import input_new_items, listed_item
 from deployments.api.responses.schema import ResponsesRequest
 from deployments.api.responses.store import Entry, ResponseStore
@@ -84,9 +85,14 @@ async def create(
     conversations: ConversationsDep,
     tag: RequestTag,
     who: WhoDep,
+    request: Request,
 ):  # noqa: ANN201
     name = ingress.served_name(req.model)
     previous, history, new_messages, joined = await _continued(req, store, conversations, who)
+    searched = None
+    if (tool := req.file_search()) is not None:
+        retrieval = getattr(request.app.state, "retrieval", None)
+        searched = await search_turn(retrieval, tool, new_messages, req.include, who)
     lead = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = ChatTurn(
         name,
@@ -107,6 +113,7 @@ async def create(
     turn = Turn(
         rid, name, req, made, chain, len(ids), reused, new_messages, fmt, who.key_id, joined
     )
+    turn.searched = searched
     if req.stream:
         return stream(gen, response_events(turn, gen, store), WIRE)
     await gen.drain()

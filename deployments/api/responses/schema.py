@@ -46,7 +46,6 @@ from deployments.api.structured import (
 # Fields this server does not honour, with the values that ask for nothing.
 INERT_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning": (None, {}),
-    "include": (None, []),
     "background": (None, False),
     "prompt": (None,),
     "max_tool_calls": (None,),
@@ -100,6 +99,17 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
+class FileSearchTool(BaseModel):
+    """The file_search tool: the stores to search (deployments/api/responses/file_search.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["file_search"]
+    vector_store_ids: list[Annotated[str, Field(max_length=64)]] = Field(min_length=1, max_length=8)
+    max_num_results: int | None = Field(None, ge=1, le=50)
+    ranking_options: dict[str, Any] | None = None
+    filters: dict[str, Any] | None = None
+
+
 class NamedFunctionChoice(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
@@ -132,7 +142,11 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     stream: bool = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing to hide
-    tools: list[FunctionTool | dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[FunctionTool | FileSearchTool | dict[str, Any]] | None = Field(
+        None, max_length=MAX_TOOLS
+    )
+    # What the response carries beyond the default: the file search's results.
+    include: list[Literal["file_search_call.results"]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -171,8 +185,13 @@ class ResponsesRequest(BaseModel):
                 "'previous_response_id' or 'conversation'.",
                 "conversation",
             )
+        if len([t for t in self.tools or [] if isinstance(t, FileSearchTool)]) > 1:
+            raise InvalidRequestError("give at most one file_search tool", "tools")
         self.tool_fields()  # unique names, a named choice among them
         return self
+
+    def file_search(self) -> FileSearchTool | None:
+        return next((t for t in self.tools or [] if isinstance(t, FileSearchTool)), None)
 
     def tool_fields(self) -> ToolFields:
         tools = [

@@ -10,6 +10,7 @@ from typing import Any
 from app.text.tool_calls import ToolFormat
 from app.text.tool_stream import whole_output
 from deployments.api.responses.conversation_store import Joined, append_turn
+from deployments.api.responses.file_search import Searched
 from deployments.api.responses.item_messages import assistant_message, output_new_items
 from deployments.api.responses.schema import ResponsesRequest
 from deployments.api.responses.store import Entry, ResponseStore
@@ -31,6 +32,7 @@ class Turn:
     fmt: ToolFormat | None
     owner: str | None = None  # the id of the key that asked
     conversation: Joined | None = None  # the conversation it continues and adds to
+    searched: Searched | None = None  # what its file_search found
 
     def body(self, status: str, output: list[dict], gen: Generation | None) -> dict[str, Any]:
         req = self.req
@@ -83,6 +85,8 @@ class Turn:
         and its input and output items added to its conversation: all in one transaction,
         so a conversation never holds half a turn."""
         status = "incomplete" if gen.outputs[0].finish_reason == "length" else "completed"
+        if self.searched is not None:
+            output = self.searched.annotate(output)
         body = self.body(status, output, gen)
         entry = None
         if self.req.store:
@@ -99,7 +103,8 @@ class Turn:
             )
         joined, also = self.conversation, None
         if joined is not None:
-            also = partial(append_turn, joined.id, [*joined.items, *output_new_items(output)])
+            said = [i for i in output if i["type"] != "file_search_call"]  # no message of its own
+            also = partial(append_turn, joined.id, [*joined.items, *output_new_items(said)])
         if entry is not None or also is not None:
             await store.put(entry, also)
         return body

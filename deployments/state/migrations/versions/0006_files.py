@@ -79,6 +79,14 @@ def upgrade() -> None:
     )
     for table, columns in INDEXES:
         op.create_index(f"ix_{table}_{'_'.join(columns)}", table, list(columns), unique=False)
+    if op.get_bind().dialect.name == "postgresql":
+        # The chunks' words for full-text ranking (deployments/retrieval/lexical.py),
+        # computed once when a chunk is written and indexed, not per query.
+        op.execute(
+            "ALTER TABLE chunks ADD COLUMN terms tsvector "
+            "GENERATED ALWAYS AS (to_tsvector('english', text)) STORED"
+        )
+        op.execute("CREATE INDEX ix_chunks_terms ON chunks USING gin (terms)")
     op.create_index("ix_files_id", "files", ["id"], unique=True)
     op.create_index("ix_vector_stores_id", "vector_stores", ["id"], unique=True)
     op.create_index(
