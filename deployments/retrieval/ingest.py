@@ -175,9 +175,11 @@ class Ingestor:
                 extract_text, self.locate(file_id), media_type, self.config.max_text_chars
             )
         except ExtractionError as exc:
-            raise Failed("invalid_file", str(exc)) from None
+            raise Failed(exc.code, exc.message) from None
         except FileNotFoundError:
             raise Failed("invalid_file", f"file {file_id}'s bytes are missing") from None
+        if not text.strip():  # a scan without a text layer, a bomb pypdf stopped
+            raise Failed("invalid_file", f"file {file_id} has no text to index")
         size, overlap = chunking["max_chunk_size_tokens"], chunking["chunk_overlap_tokens"]
         chunks = await self.embedder.chunk.remote(text, size, overlap)
         if len(chunks) > self.config.max_chunks_per_file:

@@ -170,3 +170,28 @@ def test_a_broken_pdf_fails_with_pypdfs_reason(tmp_path):
     with pytest.raises(ExtractionError, match="the PDF could not be read") as failed:
         extract_text(path, "application/pdf", 1000)
     assert failed.value.code == "invalid_file"
+
+
+def test_a_compression_bomb_in_a_pdf_fails_without_inflating_it(tmp_path):
+    """A page whose content stream inflates from 0.2 MB to 200 MB: pypdf's own bound on a
+    stream's output (75 MB) stops it, so the page has no text (and the file then fails to
+    index: it has none), in a fraction of the time parsing 200 MB would take."""
+    import time
+    import zlib
+
+    from pypdf import PdfWriter
+    from pypdf.generic import NameObject, StreamObject
+
+    writer = PdfWriter()
+    page = writer.add_blank_page(612, 792)
+    stream = StreamObject()
+    stream.set_data(zlib.compress(b" " * (200 * 1024 * 1024), 9))
+    stream[NameObject("/Filter")] = NameObject("/FlateDecode")
+    page[NameObject("/Contents")] = writer._add_object(stream)
+    path = tmp_path / "bomb.pdf"
+    with path.open("wb") as out:
+        writer.write(out)
+    assert path.stat().st_size < 1024 * 1024
+    started = time.perf_counter()
+    assert extract_text(path, "application/pdf", 16 * 1024 * 1024) == ""
+    assert time.perf_counter() - started < 10

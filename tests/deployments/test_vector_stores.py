@@ -129,6 +129,10 @@ def test_bad_files_fail_and_bounds_are_400s(served):
         added = await client.vector_stores.files.create_and_poll(
             file_id=broken.id, vector_store_id=store.id, poll_interval_ms=100
         )
+        blank = await client.files.create(file=("blank.md", b"  \n\n "), purpose="assistants")
+        empty = await client.vector_stores.files.create_and_poll(
+            file_id=blank.id, vector_store_id=store.id, poll_interval_ms=100
+        )
         errors = []
         for bad in (
             {"max_num_results": 51},
@@ -144,10 +148,11 @@ def test_bad_files_fail_and_bounds_are_400s(served):
             await client.vector_stores.files.create(vector_store_id=store.id, file_id="file-nope")
         with pytest.raises(openai.NotFoundError):
             await client.vector_stores.search("vs_nope", query="x")
-        return added, errors
+        return added, empty, errors
 
-    added, errors = scenario(served, body)
+    added, empty, errors = scenario(served, body)
     assert added.status == "failed" and added.last_error.code == "invalid_file"
+    assert empty.status == "failed" and "no text" in empty.last_error.message
     assert all(e.status_code == 400 for e in errors)
 
 
