@@ -523,6 +523,7 @@ def test_every_path_the_app_writes_is_on_a_writable_volume(
         "the operator's state": state,
         "the app's SQLite file": config.database.path,
         "converted tokenizers": env["SHOAL_CACHE_DIR"],
+        "uploaded files": config.files.data_dir,
         "the Hugging Face cache": env["HF_HOME"],
     }
     if database:
@@ -535,10 +536,12 @@ def test_every_path_the_app_writes_is_on_a_writable_volume(
         assert mount["name"] in volumes("worker"), mount["name"]
 
 
-def test_downloads_are_on_storage_every_worker_shares() -> None:
-    """The Operator downloads on one worker; an alias's replica loads the files on any."""
+@pytest.mark.parametrize("variable", ["SHOAL_MODELS_DIR", "SHOAL_DATA_DIR"])
+def test_downloads_and_uploads_are_on_storage_every_worker_shares(variable: str) -> None:
+    """The Operator downloads on one worker, an alias's replica loads the files on any;
+    an ingress replica takes an upload on one worker, any ingress's ingestor indexes it."""
     (application,) = serve_config()["applications"]
-    models_dir = application["runtime_env"]["env_vars"]["SHOAL_MODELS_DIR"]
+    models_dir = application["runtime_env"]["env_vars"][variable]
     mount = mount_for(ray_container(worker_group()), models_dir)
     assert mount and mount["mountPath"] == models_dir
     claim_name = volumes("worker")[mount["name"]]["persistentVolumeClaim"]["claimName"]
