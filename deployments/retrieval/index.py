@@ -1,15 +1,17 @@
 """The vector index over chunks (deployments/state/files.py, `Chunk`): nearest chunks of
 some vector stores to a query vector, by cosine similarity of unit vectors.
 
-Two kinds, chosen by the database (`open_index`):
+Three kinds, chosen by the database (`open_index`):
 - `SqliteVecIndex`: sqlite-vec's `vec0` table beside the chunks, one row per chunk (its
   rowid the chunk's `seq`), partitioned by store, so a search reads one store's vectors
   inside SQLite. Written in the same transaction as the chunks.
+- `PgVectorIndex`: pgvector's `vector` column in a table beside the chunks, on a
+  PostgreSQL server that has the extension; likewise written with the chunks.
 - `ExactIndex`: every other database (PostgreSQL without pgvector, an SQLite that cannot
   load extensions). The chunks' own float32 bytes, read once per store and version into a
   matrix that this process keeps (a store's `version` grows with each change to its
   chunks, so a stale matrix is never used), then one matrix product a search.
-Both are exact (no approximate neighbours): at the sizes one ingress holds, a scan of
+All are exact (no approximate neighbours): at the sizes one ingress holds, a scan of
 float32 vectors is milliseconds, and exact results need no recall to be measured twice.
 """
 
@@ -155,12 +157,105 @@ class SqliteVecIndex:
         self._made.add(dim)
 
 
-Index = ExactIndex | SqliteVecIndex
+class PgVectorIndex:
+    """pgvector's `vector` column in a table beside the chunks, one per dimension, read
+    by an exact scan per store (`ORDER BY embedding <=> q`, no approximate index: a store
+    filter over an HNSW index can return fewer than k)."""
+
+    kind = "pgvector"
+
+    def __init__(self) -> None:
+        self._made: set[int] = set()
+
+    @staticmethod
+    def table(dim: int) -> str:
+        return f"chunk_vectors_{dim}"
+
+    @staticmethod
+    def literal(vector: Any) -> str:
+        return "[" + ",".join(f"{float(x):.9g}" for x in vector) + "]"
+
+    def add(self, session: Session, store_id: str, chunks: list[Chunk]) -> None:
+        if not chunks:
+            return
+        dim = len(chunks[0].embedding) // 4
+        self._ensure(session, dim)
+        session.execute(
+            text(
+                f"INSERT INTO {self.table(dim)} (seq, store_id, embedding) "
+                "VALUES (:seq, :store_id, CAST(:embedding AS vector))"
+            ),
+            [
+                {"seq": c.seq, "store_id": store_id, "embedding": self.literal(unpack(c.embedding))}
+                for c in chunks
+            ],
+        )
+
+    def delete(self, session: Session, store_id: str, seqs: list[int]) -> None:
+        for dim in self._dims(session):
+            session.execute(
+                text(f"DELETE FROM {self.table(dim)} WHERE seq = ANY(:seqs)"), {"seqs": seqs}
+            )
+
+    def search(
+        self, session: Session, store_ids: list[str], query: list[float], k: int
+    ) -> list[Hit]:
+        dim = len(query)
+        if dim not in self._dims(session):
+            return []
+        rows = session.execute(
+            text(
+                "SELECT seq, 1 - (embedding <=> CAST(:q AS vector)) AS score "
+                f"FROM {self.table(dim)} WHERE store_id = ANY(:stores) "
+                "ORDER BY embedding <=> CAST(:q AS vector) LIMIT :k"
+            ),
+            {"q": self.literal(query), "stores": list(store_ids), "k": k},
+        ).all()
+        return [(int(seq), float(score)) for seq, score in rows]
+
+    def _dims(self, session: Session) -> set[int]:
+        names = session.scalars(
+            text(r"SELECT tablename FROM pg_tables WHERE tablename LIKE 'chunk\_vectors\_%'")
+        )
+        return {int(n.rsplit("_", 1)[1]) for n in names if n.rsplit("_", 1)[1].isdigit()}
+
+    def _ensure(self, session: Session, dim: int) -> None:
+        if dim in self._made:
+            return
+        table = self.table(dim)
+        session.execute(
+            text(
+                f"CREATE TABLE IF NOT EXISTS {table} (seq integer PRIMARY KEY, "
+                f"store_id varchar(64) NOT NULL, embedding vector({dim}) NOT NULL)"
+            )
+        )
+        session.execute(text(f"CREATE INDEX IF NOT EXISTS ix_{table}_store ON {table} (store_id)"))
+        self._made.add(dim)
+
+
+Index = ExactIndex | SqliteVecIndex | PgVectorIndex
+
+
+def _pgvector(engine: Engine) -> bool:
+    """Whether this PostgreSQL server has pgvector (made available in this database)."""
+    try:
+        with engine.begin() as conn:
+            if conn.execute(text("SELECT 1 FROM pg_extension WHERE extname = 'vector'")).first():
+                return True
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS vector"))
+        return True
+    except Exception as exc:  # noqa: BLE001 (not installed on the server, or no privilege)
+        logger.warning("vector index: pgvector is not available (%s); exact search", exc)
+        return False
 
 
 def open_index(engine: Engine) -> Index:
     """sqlite-vec where the database is SQLite and the extension loaded into it
-    (deployments/state/database.py), else the exact index."""
+    (deployments/state/database.py); pgvector where the database is a PostgreSQL server
+    that has it; else the exact index."""
+    if engine.dialect.name == "postgresql" and _pgvector(engine):
+        logger.info("vector index: pgvector")
+        return PgVectorIndex()
     if engine.dialect.name == "sqlite":
         try:
             with engine.connect() as conn:

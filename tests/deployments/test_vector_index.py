@@ -1,15 +1,24 @@
-"""The two vector indexes agree: sqlite-vec's vec0 table and the exact matrix scan find
-the same nearest chunks with the same scores, before and after chunks are deleted, and
-the exact index never answers from a matrix older than its store."""
+"""The vector indexes agree: sqlite-vec's vec0 table, pgvector's column and the exact
+matrix scan find the same nearest chunks with the same scores, before and after chunks
+are deleted, and the exact index never answers from a matrix older than its store."""
 
 import numpy as np
 import pytest
 from sqlalchemy import delete, update
 from sqlalchemy.orm import Session
 
-from deployments.retrieval.index import ExactIndex, SqliteVecIndex, open_index, pack
+from deployments.retrieval.index import (
+    ExactIndex,
+    PgVectorIndex,
+    SqliteVecIndex,
+    open_index,
+    pack,
+)
 from deployments.state.database import Database
 from deployments.state.files import Chunk, VectorStore
+from tests.postgres import postgres_server, unavailable
+
+NO_POSTGRES = unavailable()
 
 
 @pytest.fixture
@@ -19,7 +28,7 @@ def db(tmp_path):
     database.close()
 
 
-def _fill(db: Database, index: SqliteVecIndex, n: int, dim: int = 16) -> np.ndarray:
+def _fill(db: Database, index, n: int, dim: int = 16) -> np.ndarray:
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((n, dim)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -74,3 +83,33 @@ def test_sqlite_vec_and_exact_agree(db):
     assert _search(db, vec, ["vs_b"], q.tolist(), 5) == []
     assert _search(db, exact, ["vs_b"], q.tolist(), 5) == []  # a new version: re-read
     assert _search(db, exact, ["vs_a"], q.tolist(), 1)[0][0] == 44
+
+
+@pytest.mark.live  # starts a PostgreSQL server
+@pytest.mark.skipif(NO_POSTGRES is not None, reason=str(NO_POSTGRES))
+def test_pgvector_and_exact_agree_on_postgresql():
+    """Where the server has pgvector (built here; Debian 12 does not package it), its
+    index and the exact scan find the same chunks; where it has not, open_index falls
+    back to the exact scan."""
+    with postgres_server() as url:
+        db = Database(url)
+        try:
+            index = open_index(db.engine)
+            if not isinstance(index, PgVectorIndex):
+                assert isinstance(index, ExactIndex)  # the fallback: nothing more to compare
+                return
+            exact = ExactIndex()
+            vectors = _fill(db, index, 200)
+            for i in (3, 50, 101):
+                q = vectors[i].tolist()
+                for stores in (["vs_a"], ["vs_a", "vs_b"]):
+                    a = _search(db, index, stores, q, 6)
+                    b = _search(db, exact, stores, q, 6)
+                    assert [s for s, _ in a] == [s for s, _ in b]
+                    assert np.allclose([x for _, x in a], [x for _, x in b], atol=1e-5)
+            with Session(db.engine) as s, s.begin():
+                seqs = [c.seq for c in s.query(Chunk).filter_by(store_id="vs_a")]
+                index.delete(s, "vs_a", seqs)
+            assert _search(db, index, ["vs_a"], vectors[3].tolist(), 3) == []
+        finally:
+            db.close()
