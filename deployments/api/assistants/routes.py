@@ -18,8 +18,11 @@ from deployments.api.assistants.schema import (
     ThreadCreate,
     ThreadUpdate,
 )
-from deployments.api.assistants.service import AssistantsDep, WhoDep
+from deployments.api.assistants.service import Assistants, AssistantsDep, WhoDep
 from deployments.api.assistants.thread_context import free_thread
+from deployments.api.assistants.thread_files import attach, checked_resources, thread_resources
+from deployments.api.assistants.tool_schema import dump_tools
+from deployments.http.caller import Caller
 from deployments.ingress import Ingress, IngressDep
 
 logger = logging.getLogger("ray.serve")
@@ -49,12 +52,18 @@ CursorDep = Annotated[Cursor, Depends()]
 ASSISTANT_FIELDS = ("model", "name", "description", "instructions", "temperature", "top_p")
 
 
-def _assistant_fields(req: AssistantCreate | AssistantUpdate) -> dict:
+async def _assistant_fields(
+    req: AssistantCreate | AssistantUpdate, a: Assistants, who: Caller
+) -> dict:
     fields = req.set_fields(*ASSISTANT_FIELDS)
     if "metadata" in req.model_fields_set:
         fields["meta"] = req.metadata or {}
     if "response_format" in req.model_fields_set:
         fields["response_format"] = req.response_format or "auto"
+    if "tools" in req.model_fields_set:
+        fields["tools"] = dump_tools(req.tools)
+    if "tool_resources" in req.model_fields_set:
+        fields["tool_resources"] = await checked_resources(a.retrieval, req.tool_resources, who)
     return fields
 
 
@@ -64,7 +73,7 @@ async def create_assistant(
     req: AssistantCreate, a: AssistantsDep, ingress: IngressDep, who: WhoDep
 ) -> dict:
     ingress.model(req.model)
-    return await a.store.create_assistant(_assistant_fields(req), who)
+    return await a.store.create_assistant(await _assistant_fields(req, a, who), who)
 
 
 @router.get("/assistants")
@@ -83,7 +92,9 @@ async def update_assistant(
 ) -> dict:
     if req.model is not None:
         ingress.model(req.model)
-    return await a.store.update_assistant(assistant_id, _assistant_fields(req), who)
+    await a.store.get_assistant(assistant_id, who)  # a 404 before any store is looked at
+    fields = await _assistant_fields(req, a, who)
+    return await a.store.update_assistant(assistant_id, fields, who)
 
 
 @router.delete("/assistants/{assistant_id}")
@@ -94,8 +105,16 @@ async def delete_assistant(assistant_id: str, a: AssistantsDep, who: WhoDep) -> 
 # ---- threads -----------------------------------------------------------------------------
 @router.post("/threads")
 async def create_thread(req: ThreadCreate, a: AssistantsDep, who: WhoDep) -> dict:
+    return await new_thread(req, a, who)
+
+
+async def new_thread(req: ThreadCreate | None, a: Assistants, who: Caller) -> dict:
+    """A thread with its messages, and its store with the files they bring."""
+    if req is None:
+        return await a.store.create_thread({}, [], who)
     messages = [m.fields() for m in req.messages]
-    return await a.store.create_thread(req.metadata or {}, messages, who)
+    resources = await thread_resources(a.retrieval, req.tool_resources, req.searched_files, who)
+    return await a.store.create_thread(req.metadata or {}, messages, who, resources)
 
 
 @router.get("/threads/{thread_id}")
@@ -106,6 +125,9 @@ async def get_thread(thread_id: str, a: AssistantsDep, who: WhoDep) -> dict:
 @router.post("/threads/{thread_id}")
 async def update_thread(thread_id: str, req: ThreadUpdate, a: AssistantsDep, who: WhoDep) -> dict:
     fields = {"meta": req.metadata or {}} if "metadata" in req.model_fields_set else {}
+    if "tool_resources" in req.model_fields_set:
+        await a.store.get_thread(thread_id, who)  # a 404 before any store is made
+        fields["tool_resources"] = await thread_resources(a.retrieval, req.tool_resources, [], who)
     return await a.store.update_thread(thread_id, fields, who)
 
 
@@ -127,6 +149,14 @@ async def delete_thread(thread_id: str, a: AssistantsDep, ingress: IngressDep, w
 async def create_message(
     thread_id: str, req: MessageCreate, a: AssistantsDep, who: WhoDep, key: IdempotencyKey = None
 ) -> dict:
+    return await add_message(thread_id, req, a, key, who)
+
+
+async def add_message(
+    thread_id: str, req: MessageCreate, a: Assistants, key: str | None, who: Caller
+) -> dict:
+    """The message, after the files it brings are queued in its thread's store."""
+    await attach(a.retrieval, a.store, thread_id, req.searched_files, who)
     message, _ = await a.store.create_message(thread_id, req.fields(), key, who)
     return message
 

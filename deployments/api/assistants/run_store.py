@@ -7,7 +7,9 @@ that comes after the run was cancelled, expired or lapsed changes nothing.
 Leases: the ingress carrying out a run renews `leased_at` every tick. A run whose lease
 has lapsed (its ingress crashed or was stopped) is ended as failed, or expired past its
 `expires_at`, by whoever reads it next, from any ingress replica: no run stays queued or
-in progress for ever, and its thread can take a new run.
+in progress for ever, and its thread can take a new run. A run in `requires_action`
+waits for its client, not for an ingress: it has no lease, and expires past its
+`expires_at` when next read (tool_store.py).
 """
 
 import time
@@ -17,15 +19,20 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError
-from deployments.http.caller import Caller
+from deployments.api.assistants.tool_store import (
+    RUN_EXPIRES_AFTER_S,
+    ToolStore,
+    Who,
+    cancel_waiting,
+    expire_if_waited_out,
+)
 from deployments.state.assistants import RUN_ACTIVE, Message, Run, RunStep, Thread
 from deployments.state.base import new_id, now
 from deployments.state.database import Database, find, once, page
 
-RUN_EXPIRES_AFTER_S = 600  # OpenAI's: a run not done in ten minutes expires
-# Who asks (OWNERS in state/assistants.py): a run is its thread's, so a thread another
-# key made is a 404 before its runs are looked at. None: the server itself, sees all.
-Who = Caller | None
+__all__ = ["RUN_EXPIRES_AFTER_S", "RunStore", "Who"]
+# The statuses an ingress works in, under a lease (requires_action waits for the client).
+LEASED = tuple(status for status in RUN_ACTIVE if status != "requires_action")
 LAPSED_ERROR = {
     "code": "server_error",
     "message": "the server running this run stopped before it finished; create a new run",
@@ -36,6 +43,7 @@ class RunStore:
     def __init__(self, db: Database, lease_s: float) -> None:
         self.db = db
         self.lease_s = lease_s
+        self.tools = ToolStore(db)
 
     async def create_run(
         self, thread_id: str, fields: dict, key: str | None, who: Who = None
@@ -88,6 +96,10 @@ class RunStore:
 
         return await self.db.work(work)
 
+    async def work_of(self, run_id: str) -> dict:
+        """The run as its executor needs it (with its hidden columns)."""
+        return await self.db.work(lambda s: find(s, Run, run_id).as_work())
+
     async def begin_run(self, run_id: str) -> dict:
         """queued -> in_progress; else the run as it is (`cancelling` when a cancel came
         first)."""
@@ -98,7 +110,7 @@ class RunStore:
     async def renew_lease(self, run_id: str) -> dict:
         """Renew an active run's lease; the run (`cancelling` when a cancel was asked
         through any ingress, ended when someone ended it)."""
-        return await self.db.work(_transition, run_id, RUN_ACTIVE, {"leased_at": time.time()})
+        return await self.db.work(_transition, run_id, LEASED, {"leased_at": time.time()})
 
     async def request_cancel(self, thread_id: str, run_id: str, who: Who = None) -> dict:
         def work(s: Session) -> dict:
@@ -111,7 +123,7 @@ class RunStore:
                 .values(status="cancelling")
             )
             s.refresh(row)
-            if done.rowcount == 0:
+            if done.rowcount == 0 and not cancel_waiting(s, row):
                 raise InvalidRequestError(
                     f"Cannot cancel run with status '{row.status}'.", param="run_id"
                 )
@@ -158,28 +170,30 @@ class RunStore:
 
     async def end_run(
         self, run_id: str, run: dict, message: dict, step: dict
-    ) -> tuple[dict, dict | None, dict | None] | None:
-        """End an active run with `run`'s changes, and its reply (its message and step
-        still in progress, found by the run's id: also one whose making the run's
-        cancellation interrupted) with theirs; one transaction. The run, message and step
-        as they are then; None when the run had already ended (cancelled, expired or
-        lapsed meanwhile, or its thread deleted)."""
+    ) -> tuple[dict, dict | None, list[dict]] | None:
+        """End an active run with `run`'s changes, its reply message (still in progress,
+        found by the run's id: also one whose making the run's cancellation interrupted)
+        with `message`'s and every step still in progress with `step`'s; one transaction.
+        The run, message and those steps as they are then; None when the run had already
+        ended (cancelled, expired or lapsed meanwhile, or its thread deleted)."""
 
-        def work(s: Session) -> tuple[dict, dict | None, dict | None] | None:
+        def work(s: Session) -> tuple[dict, dict | None, list[dict]] | None:
             ended = s.execute(
-                update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE)).values(**run)
+                update(Run).where(Run.id == run_id, Run.status.in_(LEASED)).values(**run)
             )
             if ended.rowcount == 0:
                 return None
-            reply = []
-            for model, changes in ((Message, message), (RunStep, step)):
-                row = s.scalar(select(model).filter_by(run_id=run_id, status="in_progress"))
-                if row is not None:
-                    for name, value in changes.items():
-                        setattr(row, name, value)
-                    s.flush()
-                reply.append(None if row is None else row.as_api())
-            return find(s, Run, run_id).as_api(), reply[0], reply[1]
+            row = s.scalar(select(Message).filter_by(run_id=run_id, status="in_progress"))
+            if row is not None:
+                for name, value in message.items():
+                    setattr(row, name, value)
+            steps = list(s.scalars(select(RunStep).filter_by(run_id=run_id, status="in_progress")))
+            for step_row in steps:
+                for name, value in step.items():
+                    setattr(step_row, name, value)
+            s.flush()
+            reply = None if row is None else row.as_api()
+            return find(s, Run, run_id).as_api(), reply, [r.as_api() for r in steps]
 
         return await self.db.work(work)
 
@@ -207,7 +221,10 @@ class RunStore:
                 )
 
     def end_if_lapsed(self, s: Session, row: Run) -> bool:
-        """End `row` if its lease has lapsed (only if no one renewed it meanwhile)."""
+        """End `row` if its lease has lapsed (only if no one renewed it meanwhile), or if
+        it waited for its tool outputs past its expires_at."""
+        if row.status == "requires_action":
+            return expire_if_waited_out(s, row)
         cutoff = time.time() - self.lease_s
         if row.status not in RUN_ACTIVE or row.leased_at >= cutoff:
             return False
@@ -216,7 +233,7 @@ class RunStore:
         changes = {"status": "expired"} if expired else {"status": "failed", "failed_at": t}
         done = s.execute(
             update(Run)
-            .where(Run.id == row.id, Run.status.in_(RUN_ACTIVE), Run.leased_at < cutoff)
+            .where(Run.id == row.id, Run.status.in_(LEASED), Run.leased_at < cutoff)
             .values(**changes, last_error=None if expired else LAPSED_ERROR)
         )
         if done.rowcount == 0:

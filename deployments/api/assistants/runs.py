@@ -1,27 +1,38 @@
 """RunExecutor: carries out the Assistants API's runs in this ingress, one task each.
 
 A run goes queued -> in_progress -> completed | incomplete (its token budget ran out) |
-cancelled | failed | expired. Streamed or not, a run executes the same way: in its own
-task, its events handed to a queue that a streaming response may read (a client that
-leaves does not stop the run, as with OpenAI). While it runs, a watchdog renews its lease
-every tick and stops it when a cancel was asked through any ingress (the run's status
-is then `cancelling`), when it passes its `expires_at`, or when someone else ended it.
-Its end (run, message and step) is written in one transaction that changes nothing if
-the run had already ended, so no two endings overwrite each other.
+cancelled | failed | expired, or requires_action when the model called its functions:
+the client's tool outputs (submit_tool_outputs) put it back in progress, and it is
+carried out again from there, on the thread's warm context (the thread's conversation,
+then the calls and their outputs). Tools: run_search.py (file_search, before the run
+generates) and run_calls.py (function calls, read as the output streams).
+
+Streamed or not, a run executes the same way: in its own task, its events handed to a
+queue that a streaming response may read (a client that leaves does not stop the run,
+as with OpenAI). While it runs, a watchdog renews its lease every tick and stops it when
+a cancel was asked through any ingress (the run's status is then `cancelling`), when it
+passes its `expires_at`, or when someone else ended it. Its end (run, message and
+steps), or its wait for tool outputs, is written in one transaction that changes nothing
+if the run had already ended, so no two endings overwrite each other.
 """
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from app.protocol.errors import ShoalError
 from app.protocol.sampling import SamplingParams
+from deployments.api.assistants.run_calls import Reply, required_action, shown_tools
+from deployments.api.assistants.run_search import search_for_run, searched
 from deployments.api.assistants.schema import output_constraint
 from deployments.api.assistants.store import AssistantsStore
 from deployments.api.assistants.thread_context import generate_in_thread
 from deployments.http.chat_turn import ChatTurn, PreparedTurn, prepare
 from deployments.ingress import Ingress
+from deployments.retrieval.excerpts import citations
+from deployments.retrieval.service import Retrieval
 from deployments.state.assistants import RUN_ACTIVE
 from deployments.state.base import now
 
@@ -34,19 +45,34 @@ STOPPED = {"code": "server_error", "message": "the server was stopped; create a 
 
 
 class RunExecutor:
-    def __init__(self, ingress: Ingress, store: AssistantsStore) -> None:
+    def __init__(
+        self,
+        ingress: Ingress,
+        store: AssistantsStore,
+        retrieval: Callable[[], Retrieval | None] = lambda: None,
+    ) -> None:
         self.ingress = ingress
         self.runs = store.runs
         self.store = store
+        # Looked up when a run searches: vector stores are made after the Assistants.
+        self.retrieval = retrieval
         self.tasks: dict[str, asyncio.Task] = {}
         self._why: dict[str, str] = {}  # run id -> why its task was cancelled
         self.tick_s = min(1.0, store.runs.lease_s / 3)
 
-    def start(self, run: dict, tag: str, events: asyncio.Queue | None = None) -> None:
-        """Carry out `run` (queued) in a task of its own; its events go to `events`,
-        which gets END however the task ends (even cancelled before it began)."""
+    def start(
+        self,
+        run: dict,
+        tag: str,
+        events: asyncio.Queue | None = None,
+        include: list[str] | None = None,
+    ) -> None:
+        """Carry out `run` (queued, or in progress again after its tool outputs) in a
+        task of its own; its events go to `events`, which gets END however the task ends
+        (even cancelled before it began). `include`: as the run's (run_search.py)."""
         emit = (lambda *_: None) if events is None else (lambda *e: events.put_nowait(e))
-        task = asyncio.get_running_loop().create_task(self._execute(run, tag, emit))
+        work = self._execute(run, tag, emit, include or [])
+        task = asyncio.get_running_loop().create_task(work)
         self.tasks[run["id"]] = task
 
         def done(_: asyncio.Task) -> None:
@@ -72,11 +98,11 @@ class RunExecutor:
         if tasks:
             await asyncio.wait(tasks, timeout=5)
 
-    async def _execute(self, run: dict, tag: str, emit: Any) -> None:
-        reply: dict[str, Any] = {"text": ""}
+    async def _execute(self, run: dict, tag: str, emit: Any, include: list[str]) -> None:
+        reply: dict[str, Any] = {}  # what the end writes: the Reply, its annotations
         watchdog = asyncio.get_running_loop().create_task(self._watch(run))
         try:
-            status, fields = await self._generate(run, tag, emit, reply)
+            status, fields = await self._generate(run, tag, emit, reply, include)
         except asyncio.CancelledError:
             status, fields = self._stopped(run["id"])
         except ShoalError as exc:
@@ -103,35 +129,43 @@ class RunExecutor:
             return "failed", {"failed_at": now(), "last_error": STOPPED}
         return "cancelled", {"cancelled_at": now()}  # also "ended": the end then changes nothing
 
-    async def _generate(self, run: dict, tag: str, emit: Any, reply: dict) -> tuple[str, dict]:
-        run_id, thread_id, model = run["id"], run["thread_id"], run["model"]
-        begun = await self.runs.begin_run(run_id)
+    async def _begin(self, run: dict, emit: Any) -> dict:
+        """queued -> in_progress (a run after its tool outputs is in progress already)."""
+        run_id = run["id"]
+        if run["status"] == "queued":
+            begun = await self.runs.begin_run(run_id)
+        else:
+            begun = await self.runs.renew_lease(run_id)
         if begun["status"] != "in_progress":  # cancelled (or ended) before it began
             self._why.setdefault(
                 run_id, "cancelled" if begun["status"] == "cancelling" else "ended"
             )
             raise asyncio.CancelledError
         emit("thread.run.in_progress", begun)
-        prepared = await self._prompt(run)
+        return await self.runs.work_of(run_id)
+
+    async def _generate(
+        self, run: dict, tag: str, emit: Any, box: dict, include: list[str]
+    ) -> tuple[str, dict]:
+        run = await self._begin(run, emit)
+        run_id, thread_id, model = run["id"], run["thread_id"], run["model"]
+        continuing = bool(run["tool_turns"])  # after tool outputs: searched already
+        box["prelude"] = run["tool_turns"]  # the reply renders after them in later runs
+        if continuing:
+            found = await searched(self.store, run)
+        else:
+            found = await search_for_run(self.store, self.retrieval, run, emit, include)
+        prepared = await self._prompt(run, continuing)
         prompt_ids = prepared.prompt_ids
-        message, step = await self.runs.start_reply(run)
-        emit("thread.run.step.created", step)
-        emit("thread.run.step.in_progress", step)
-        emit("thread.message.created", message)
-        emit("thread.message.in_progress", message)
+        reply = box["reply"] = Reply(self.runs, run, emit, prepared.tool_format)
+        if prepared.tool_format is None:
+            await reply.open()
         params = await self._params(run, prepared)
         gen, reused = await generate_in_thread(
             self.ingress, model, thread_id, prompt_ids, params, tag, prepared.reasoning
         )
         async for d in gen.deltas():
-            if d.text:
-                reply["text"] += d.text
-                part = {"index": 0, "type": "text", "text": {"value": d.text, "annotations": []}}
-                delta = {"content": [part]}
-                emit(
-                    "thread.message.delta",
-                    {"id": message["id"], "object": "thread.message.delta", "delta": delta},
-                )
+            await reply.feed(d.text, d.finish_reason is not None)
         logger.info(
             "run %s: %d prompt tokens, %d of them already in the thread's context; %d generated",
             run_id,
@@ -142,15 +176,51 @@ class RunExecutor:
         n = gen.completion_tokens
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n}
         usage["total_tokens"] = len(prompt_ids) + n
-        if gen.outputs[0].finish_reason == "length":
+        box["usage"] = usage
+        total = _added(run["usage"], usage)  # with its generations before the outputs
+        cut = gen.outputs[0].finish_reason == "length"
+        calls = reply.tool_calls()
+        if calls and not cut:
+            changes = {
+                "required_action": required_action(calls),
+                "tool_turns": [*run["tool_turns"], reply.turn(calls)],
+                "usage": total,
+            }
+            return "requires_action", {"changes": changes, "calls": calls, "usage": usage}
+        if found is not None:
+            box["annotations"] = citations(reply.text, found)
+        if cut:
             return "incomplete", {
-                "usage": usage,
+                "usage": total,
                 "incomplete_details": {"reason": "max_completion_tokens"},
             }
-        return "completed", {"usage": usage, "completed_at": now()}
+        return "completed", {"usage": total, "completed_at": now()}
 
-    async def _end(self, run: dict, emit: Any, reply: dict, status: str, fields: dict) -> None:
-        """Write the run's end with its message's and step's, and emit their events."""
+    async def _wait_for_outputs(self, run: dict, emit: Any, reply: Reply, fields: dict) -> bool:
+        """The run waits for its calls' outputs; False when it had been cancelled or
+        ended meanwhile."""
+        assert reply.step is not None  # its first call made it
+        step_id = reply.step["id"]
+        got = await self.runs.tools.await_outputs(
+            run["id"], fields["changes"], step_id, fields["calls"], fields["usage"]
+        )
+        if got is None:
+            return False
+        run_now, _ = got
+        emit("thread.run.requires_action", run_now)
+        return True
+
+    async def _end(self, run: dict, emit: Any, box: dict, status: str, fields: dict) -> None:
+        """Write the run's end with its message's and steps', and emit their events (or,
+        when the model called functions, the run's wait for their outputs)."""
+        reply: Reply | None = box.get("reply")
+        if status == "requires_action":
+            assert reply is not None
+            if await self._wait_for_outputs(run, emit, reply, fields):
+                return
+            status, fields = "cancelled", {"cancelled_at": now()}  # or ended: nothing changes
+        if status in ("completed", "incomplete") and reply is not None:
+            await reply.open()  # a reply that wrote nothing is an empty message
         t = now()
         if status == "completed":
             message = {"status": "completed", "completed_at": t}
@@ -158,29 +228,34 @@ class RunExecutor:
             why = {"cancelled": "run_cancelled", "incomplete": "max_tokens"}
             details = {"reason": why.get(status, "run_failed")}
             message = {"status": "incomplete", "incomplete_at": t, "incomplete_details": details}
-        message["text"] = reply["text"]
+        message["text"] = "" if reply is None else reply.text
+        message["annotations"] = box.get("annotations") or []
+        if box.get("prelude"):
+            message["prelude"] = box["prelude"]
         step_status = "completed" if status in ("completed", "incomplete") else status
         step: dict[str, Any] = {"status": step_status}
         if step_status == "completed":
-            step.update(completed_at=t, usage=fields.get("usage"))
-        elif step_status in ("cancelled", "failed"):
-            step.update({f"{step_status}_at": t, "last_error": fields.get("last_error")})
+            step.update(completed_at=t, usage=box.get("usage"))  # this generation's
+        elif step_status in ("cancelled", "failed", "expired"):
+            step[f"{step_status}_at"] = t
+            step["last_error"] = fields.get("last_error")
         ended = await self.runs.end_run(run["id"], {"status": status, **fields}, message, step)
         if ended is None:
             return  # it had ended already (cancelled, expired, lapsed, its thread deleted)
-        run_now, message_now, step_now = ended
+        run_now, message_now, steps_now = ended
         if message_now is not None:
             emit(f"thread.message.{message_now['status']}", message_now)
-        if step_now is not None:
+        for step_now in steps_now:
             emit(f"thread.run.step.{step_now['status']}", step_now)
         emit(f"thread.run.{status}", run_now)
 
-    async def _prompt(self, run: dict) -> PreparedTurn:
+    async def _prompt(self, run: dict, continuing: bool) -> PreparedTurn:
         """The conversation as a chat turn (chat_turn.py: rendered by the model's chat
-        template, a reasoning model's thinking split off, the response format applied to
-        the answer), with the run's instructions as the system message; the oldest
-        messages left out when it does not fit the run's max_prompt_tokens or the model
-        (OpenAI's `auto` truncation)."""
+        template with the run's functions, a reasoning model's thinking split off, the
+        response format applied to the answer), with the run's instructions as the
+        system message and, after tool outputs, the run's calls and their outputs last;
+        the oldest messages left out when it does not fit the run's max_prompt_tokens or
+        the model (OpenAI's `auto` truncation)."""
         system = [{"role": "system", "content": run["instructions"]}] if run["instructions"] else []
         constraint = output_constraint(run["response_format"])
         info = await self.ingress.info(run["model"])
@@ -192,8 +267,17 @@ class RunExecutor:
         messages = await self.store.conversation(
             run["thread_id"], budget * MAX_CHARS_PER_TOKEN, budget
         )
+        tools, choice = shown_tools(run, continuing)
         while True:
-            turn = ChatTurn(run["model"], system + messages, SamplingParams(), constraint)
+            turn = ChatTurn(
+                run["model"],
+                system + messages + run["tool_turns"],
+                SamplingParams(),
+                constraint,
+                tools=tools,
+                tool_choice=choice,
+                parallel_tool_calls=run["parallel_tool_calls"],
+            )
             prepared = await prepare(self.ingress, turn)
             ids = prepared.prompt_ids
             if len(ids) <= budget:
@@ -205,7 +289,7 @@ class RunExecutor:
                 )
             # Roughly the share that is too much, at least one message (few encodes).
             over = max(1, len(messages) * (len(ids) - budget) // len(ids))
-            messages = messages[min(over, len(messages) - 1) :]
+            messages = _whole_turns(messages[min(over, len(messages) - 1) :])
 
     async def _params(self, run: dict, prepared: PreparedTurn) -> SamplingParams:
         """As OpenAI: no cap but the model's context unless the run sets one."""
@@ -233,6 +317,21 @@ class RunExecutor:
                     self.stop(run_id, "ended")
                 elif run["expires_at"] is not None and now() >= run["expires_at"]:
                     self.stop(run_id, "expired")
+
+
+def _whole_turns(messages: list[dict]) -> list[dict]:
+    """Start at a message, not amid the calls and tool outputs before a reply (a template
+    may refuse outputs without their call)."""
+    start = 0
+    while start < len(messages) - 1 and (
+        messages[start]["role"] == "tool" or messages[start].get("tool_calls")
+    ):
+        start += 1
+    return messages[start:]
+
+
+def _added(before: dict | None, usage: dict) -> dict:
+    return {k: v + (before or {}).get(k, 0) for k, v in usage.items()}
 
 
 class PromptTooLongError(ShoalError):

@@ -1,8 +1,9 @@
 """OpenAI's Assistants v2 request bodies, as the official SDK sends them
 (`client.beta.assistants`, `client.beta.threads`, `.messages`, `.runs`).
 
-Tools, files, vector stores and structured `response_format`s are not served yet: a body
-that asks for them gets a 400 that says so, never a silent default.
+Served tools: `function` and `file_search`; `code_interpreter` (as a tool, a tool
+resource or an attachment's tool) is a 400 that says it is not served, never a silent
+default. Every response_format is served (text, json_object, json_schema).
 """
 
 from typing import Any, Literal
@@ -18,10 +19,21 @@ from pydantic import (
 
 from app.protocol.errors import ShoalError
 from app.protocol.sampling import Constraint
-from deployments.api.structured import ResponseFormat, StructuredFields
+from deployments.api.assistants.tool_schema import (
+    MAX_TOOLS,
+    RESULTS_CONTENT,
+    Attachment,
+    FileSearchChoice,
+    Tool,
+    ToolResources,
+    check_tools,
+    existing_stores,
+)
+from deployments.api.structured import NamedToolChoice, ResponseFormat, StructuredFields
 
 MAX_METADATA_PAIRS = 16
 MAX_MESSAGE_CHARS = 256_000  # OpenAI's limit on one message's content
+MAX_ATTACHMENTS = 20  # files one message brings
 
 
 class Body(BaseModel):
@@ -51,10 +63,9 @@ class WithMetadata(Body):
 
 
 def check_unserved(tools: list | None, response_format: Any) -> None:
-    """Function tools (runs that stop for `requires_action`) are not served; every
-    response_format is (text, json_object, json_schema)."""
-    if tools:
-        raise ValueError("tools are not served yet; send no tools")
+    """Every response_format is served (text, json_object, json_schema); the tools'
+    names are unique."""
+    check_tools(tools)
     output_constraint(response_format)
 
 
@@ -76,7 +87,7 @@ class Sampling(WithMetadata):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     response_format: Any = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
 
     @model_validator(mode="after")
     def _served(self) -> "Sampling":
@@ -89,8 +100,10 @@ class AssistantUpdate(Sampling):
     name: str | None = Field(None, max_length=256)
     description: str | None = Field(None, max_length=512)
     instructions: str | None = Field(None, max_length=256_000)
-    tool_resources: dict | None = None
+    tool_resources: ToolResources | None = None
     reasoning_effort: str | None = None
+
+    _existing_stores = field_validator("tool_resources")(existing_stores)
 
 
 class AssistantCreate(AssistantUpdate):
@@ -105,14 +118,7 @@ class TextPart(Body):
 class MessageCreate(WithMetadata):
     role: Literal["user", "assistant"]
     content: str | list[TextPart] = Field(max_length=MAX_MESSAGE_CHARS)
-    attachments: list | None = None
-
-    @field_validator("attachments")
-    @classmethod
-    def _no_attachments(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("attachments (files) are not served yet")
-        return value
+    attachments: list[Attachment] | None = Field(None, max_length=MAX_ATTACHMENTS)
 
     @field_validator("content")
     @classmethod
@@ -128,8 +134,23 @@ class MessageCreate(WithMetadata):
             return self.content
         return "".join(part.text for part in self.content)
 
+    @property
+    def searched_files(self) -> list[str]:
+        """The files it brings for file_search (they go into its thread's store)."""
+        return [
+            a.file_id
+            for a in self.attachments or []
+            if any(t.type == "file_search" for t in a.tools)
+        ]
+
     def fields(self) -> dict:
-        return {"role": self.role, "text": self.text, "meta": self.metadata or {}}
+        attachments = [a.model_dump() for a in self.attachments or []]
+        return {
+            "role": self.role,
+            "text": self.text,
+            "meta": self.metadata or {},
+            "attachments": attachments,
+        }
 
 
 class MessageUpdate(WithMetadata):
@@ -138,11 +159,15 @@ class MessageUpdate(WithMetadata):
 
 class ThreadCreate(WithMetadata):
     messages: list[MessageCreate] = Field(default_factory=list, max_length=32)
-    tool_resources: dict | None = None
+    tool_resources: ToolResources | None = None
+
+    @property
+    def searched_files(self) -> list[str]:
+        return [f for m in self.messages for f in m.searched_files]
 
 
 class ThreadUpdate(WithMetadata):
-    tool_resources: dict | None = None
+    tool_resources: ToolResources | None = None
 
 
 class RunCreate(Sampling):
@@ -155,9 +180,11 @@ class RunCreate(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     truncation_strategy: dict | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | FileSearchChoice | None = (
+        None
+    )
     parallel_tool_calls: bool | None = None
-    include: list[str] | None = None
+    include: list[Literal[RESULTS_CONTENT]] | None = None
     reasoning_effort: str | None = None
 
     @field_validator("truncation_strategy")
@@ -170,4 +197,16 @@ class RunCreate(Sampling):
 
 class ThreadAndRunCreate(RunCreate):
     thread: ThreadCreate | None = None
-    tool_resources: dict | None = None
+    tool_resources: ToolResources | None = None  # instead of the assistant's, for this run
+
+    _existing_stores = field_validator("tool_resources")(existing_stores)
+
+
+class ToolOutput(Body):
+    tool_call_id: str
+    output: str = Field("", max_length=MAX_MESSAGE_CHARS)
+
+
+class SubmitToolOutputs(Body):
+    tool_outputs: list[ToolOutput] = Field(max_length=MAX_TOOLS)
+    stream: bool = False

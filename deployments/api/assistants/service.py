@@ -1,7 +1,10 @@
 """What the Assistants routes share: the store and the run executor of this ingress,
-made at start-up (the schema migrated then) and found on the app's state."""
+made at start-up (the schema migrated then) and found on the app's state, and the
+ingress's Retrieval (deployments/retrieval), looked up when needed: the vector stores'
+dialect makes it after this one, and it is None when files or embeddings are off."""
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -12,6 +15,7 @@ from deployments.api.assistants.runs import RunExecutor
 from deployments.api.assistants.store import AssistantsStore
 from deployments.http.caller import Caller, caller_of
 from deployments.ingress import Ingress
+from deployments.retrieval.service import Retrieval
 
 logger = logging.getLogger("ray.serve")
 
@@ -20,6 +24,7 @@ logger = logging.getLogger("ray.serve")
 class Assistants:
     store: AssistantsStore
     runs: RunExecutor
+    retrieval: Callable[[], Retrieval | None]
 
 
 def install(app: FastAPI, ingress: Ingress) -> None:
@@ -27,7 +32,9 @@ def install(app: FastAPI, ingress: Ingress) -> None:
     if not config.enabled:
         return
     store = AssistantsStore(ingress.config.database.sqlalchemy_url(), config.run_lease_s)
-    assistants = app.state.assistants = Assistants(store, RunExecutor(ingress, store))
+    retrieval = lambda: getattr(app.state, "retrieval", None)  # noqa: E731
+    runs = RunExecutor(ingress, store, retrieval)
+    assistants = app.state.assistants = Assistants(store, runs, retrieval)
     logger.info("assistants database ready (%s)", store.db.engine.url.render_as_string())
 
     async def stop() -> None:  # Serve runs the app's shutdown when the replica stops

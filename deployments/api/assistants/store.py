@@ -5,13 +5,16 @@ session themselves. Routes say who asks (`who`): a key reads and changes only wh
 made (OWNERS in deployments/state/assistants.py).
 """
 
+from dataclasses import asdict
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import InvalidRequestError
 from deployments.api.assistants.run_store import RunStore, Who
+from deployments.retrieval.excerpts import with_excerpts
+from deployments.retrieval.service import Found
 from deployments.state.assistants import (
     Assistant,
     Message,
@@ -60,9 +63,13 @@ class AssistantsStore:
         return await self.db.work(work)
 
     # ---- threads ----------------------------------------------------------------------
-    async def create_thread(self, meta: dict, messages: list[dict], who: Who = None) -> dict:
+    async def create_thread(
+        self, meta: dict, messages: list[dict], who: Who = None, tool_resources: dict | None = None
+    ) -> dict:
         def work(s: Session) -> dict:
-            thread = Thread(id=new_id("thread"), owner=owner(who), meta=meta)
+            thread = Thread(
+                id=new_id("thread"), owner=owner(who), meta=meta, tool_resources=tool_resources
+            )
             s.add(thread)
             for m in messages:
                 s.add(_message(thread.id, **m))
@@ -152,25 +159,56 @@ class AssistantsStore:
         """The thread's latest messages, oldest first, as chat-template messages: no more
         than `max_messages`, and no more text than `max_chars` (the newest message
         always). Older ones are left out here, before anything is rendered: a thread may
-        hold far more than any context window."""
+        hold far more than any context window. Each renders as the run that answered it
+        rendered it (see Message's hidden columns): a user message with the excerpts a
+        file_search put before it, a reply after its run's calls and tool outputs."""
 
         def work(s: Session) -> list[dict]:
             newest_first = (
-                select(Message.role, Message.text)
+                select(Message.role, Message.text, Message.excerpts, Message.prelude)
                 .where(Message.thread_id == thread_id)
                 .order_by(Message.seq.desc())
                 .limit(max_messages)
                 .execution_options(yield_per=256)
             )
-            out, chars = [], 0
-            for role, text in s.execute(newest_first):
-                chars += len(text)
+            out: list[list[dict]] = []
+            chars = 0
+            for role, text, excerpts, prelude in s.execute(newest_first):
+                if excerpts:
+                    text = with_excerpts([Found(**f) for f in excerpts], text)
+                turn = [*(prelude or []), {"role": role, "content": text}]
+                chars += sum(len(str(m.get("content") or "")) for m in turn)
                 if out and chars > max_chars:
                     break
-                out.append({"role": role, "content": text})
-            return out[::-1]
+                out.append(turn)
+            return [m for turn in out[::-1] for m in turn]
 
         return await self.db.work(work)
+
+    async def last_user_message(self, thread_id: str) -> dict | None:
+        """The thread's newest user message: `id`, `text` and `excerpts` (None when no
+        file_search has searched for it yet)."""
+
+        def work(s: Session) -> dict | None:
+            row = s.execute(
+                select(Message.id, Message.text, Message.excerpts)
+                .where(Message.thread_id == thread_id, Message.role == "user")
+                .order_by(Message.seq.desc())
+                .limit(1)
+            ).first()
+            return None if row is None else {"id": row[0], "text": row[1], "excerpts": row[2]}
+
+        return await self.db.work(work)
+
+    async def set_excerpts(self, message_id: str, found: list[Found]) -> None:
+        def work(s: Session) -> None:
+            s.execute(
+                update(Message)
+                .where(Message.id == message_id)
+                .values(excerpts=[asdict(f) for f in found])
+            )
+
+        await self.db.work(work)
 
 
 def _message(thread_id: str, **fields: Any) -> Message:
