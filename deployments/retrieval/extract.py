@@ -232,7 +232,16 @@ class _VisibleText(HTMLParser):
         return re.sub(r" +\n", "\n", "".join(self.out)).strip()
 
 
+# "</", "<!" or "<?" that opens nothing html.parser can close: a browser hides it (a bogus
+# comment), the parser takes it apart one character at a time at close(), copying the
+# rest each time (quadratic: a MiB of "</ " took a minute). As text they cost nothing.
+# Other malformed markup is as slow ("<a<a<a..."): the ingestor parses HTML in a child
+# bounded in time (extract_child.py).
+BOGUS_OPEN = re.compile(r"<(?=/[^A-Za-z>]|/\Z|![^A-Za-z\[-]|!\Z|\?)")
+
+
 def _html_text(html: str, max_chars: int) -> str:
+    html = BOGUS_OPEN.sub("&lt;", html)
     parser = _VisibleText(max_chars)
     for start in range(0, len(html), FEED_CHARS):
         parser.feed(html[start : start + FEED_CHARS])

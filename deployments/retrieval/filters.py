@@ -17,6 +17,7 @@ COMPARE = {
     "lte": operator.le,
 }
 MAX_DEPTH = 8
+SCALAR = (str, int, float, bool)
 
 
 def check(spec: Any, depth: int = 0) -> None:
@@ -25,6 +26,8 @@ def check(spec: Any, depth: int = 0) -> None:
             "filters: a filter is an object, nested at most 8 deep", "filters"
         )
     kind = spec.get("type")
+    if not isinstance(kind, str):
+        raise InvalidRequestError("filters: a filter's type is a string", "filters")
     if kind in ("and", "or"):
         parts = spec.get("filters")
         if not isinstance(parts, list) or not parts:
@@ -34,8 +37,14 @@ def check(spec: Any, depth: int = 0) -> None:
     elif kind in COMPARE or kind in ("in", "nin"):
         if not isinstance(spec.get("key"), str) or "value" not in spec:
             raise InvalidRequestError(f"filters: '{kind}' needs a key and a value", "filters")
-        if kind in ("in", "nin") and not isinstance(spec["value"], list):
-            raise InvalidRequestError(f"filters: '{kind}' needs a list value", "filters")
+        value = spec["value"]
+        if kind in ("in", "nin"):
+            if not isinstance(value, list) or not all(isinstance(v, SCALAR) for v in value):
+                raise InvalidRequestError(f"filters: '{kind}' needs a list of values", "filters")
+        elif not isinstance(value, SCALAR):
+            raise InvalidRequestError(
+                f"filters: '{kind}' compares with a string, number or boolean", "filters"
+            )
     else:
         raise InvalidRequestError(f"filters: unknown filter type {kind!r}", "filters")
 

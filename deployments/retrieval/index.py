@@ -94,9 +94,6 @@ class SqliteVecIndex:
 
     kind = "sqlite-vec"
 
-    def __init__(self) -> None:
-        self._made: set[int] = set()
-
     @staticmethod
     def table(dim: int) -> str:
         return f"chunk_vectors_{dim}"
@@ -146,15 +143,14 @@ class SqliteVecIndex:
         return {int(n.rsplit("_", 1)[1]) for n in names if n.rsplit("_", 1)[1].isdigit()}
 
     def _ensure(self, session: Session, dim: int) -> None:
-        if dim in self._made:
-            return
+        # Every time, not once per process: a table made in a transaction that then
+        # rolled back is gone, whatever this process remembers.
         session.execute(
             text(
                 f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.table(dim)} USING vec0("
                 f"embedding float[{dim}] distance_metric=cosine, store_id text partition key)"
             )
         )
-        self._made.add(dim)
 
 
 class PgVectorIndex:
@@ -163,9 +159,6 @@ class PgVectorIndex:
     filter over an HNSW index can return fewer than k)."""
 
     kind = "pgvector"
-
-    def __init__(self) -> None:
-        self._made: set[int] = set()
 
     @staticmethod
     def table(dim: int) -> str:
@@ -220,9 +213,7 @@ class PgVectorIndex:
         return {int(n.rsplit("_", 1)[1]) for n in names if n.rsplit("_", 1)[1].isdigit()}
 
     def _ensure(self, session: Session, dim: int) -> None:
-        if dim in self._made:
-            return
-        table = self.table(dim)
+        table = self.table(dim)  # every time: see SqliteVecIndex._ensure
         session.execute(
             text(
                 f"CREATE TABLE IF NOT EXISTS {table} (seq integer PRIMARY KEY, "
@@ -230,7 +221,6 @@ class PgVectorIndex:
             )
         )
         session.execute(text(f"CREATE INDEX IF NOT EXISTS ix_{table}_store ON {table} (store_id)"))
-        self._made.add(dim)
 
 
 Index = ExactIndex | SqliteVecIndex | PgVectorIndex

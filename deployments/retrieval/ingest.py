@@ -23,7 +23,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from deployments.files_config import FilesConfig
-from deployments.retrieval.extract import ExtractionError, extract_text
+from deployments.retrieval.extract import HTML, PDF, ExtractionError, extract_text
+from deployments.retrieval.extract_child import extract_in_child
 from deployments.retrieval.index import Index, pack
 from deployments.retrieval.lexical import LexicalIndex
 from deployments.state.database import Database
@@ -145,8 +146,9 @@ class Ingestor:
         except asyncio.CancelledError:
             raise  # the ingress stops: the lease runs out and another takes the file
         except Exception as exc:  # noqa: BLE001 (an Embedder error, a bug: said, not lost)
+            # The log has the detail; the API says only what kind (no SQL, no paths).
             logger.exception("ingestor: file %s failed", lease.seq)
-            error = {"code": "server_error", "message": str(exc)}
+            error = {"code": "server_error", "message": f"indexing failed ({type(exc).__name__})"}
             async with lease.turn:
                 await self.db.work(self._fail, lease, error)
         finally:
@@ -171,8 +173,11 @@ class Ingestor:
         if media_type is None:
             raise Failed("invalid_file", f"file {file_id} no longer exists")
         try:
+            # HTML and PDF parse in a child bounded in time and memory (extract_child.py);
+            # text is only decoded, here.
+            read = extract_in_child if _parsed(media_type) else extract_text
             text = await asyncio.to_thread(
-                extract_text, self.locate(file_id), media_type, self.config.max_text_chars
+                read, self.locate(file_id), media_type, self.config.max_text_chars
             )
         except ExtractionError as exc:
             raise Failed(exc.code, exc.message) from None
@@ -182,6 +187,8 @@ class Ingestor:
             raise Failed("invalid_file", f"file {file_id} has no text to index")
         size, overlap = chunking["max_chunk_size_tokens"], chunking["chunk_overlap_tokens"]
         chunks = await self.embedder.chunk.remote(text, size, overlap)
+        if not chunks:  # zero-width or control characters only: nothing the model reads
+            raise Failed("invalid_file", f"file {file_id} has no text to index")
         if len(chunks) > self.config.max_chunks_per_file:
             raise Failed(
                 "invalid_file",
@@ -206,13 +213,29 @@ class Ingestor:
         chunks: list[tuple[str, list[int]]],
         vectors: list[list[float]],
     ) -> bool:
-        row = s.get(VectorStoreFile, lease.seq, with_for_update=True)
-        if not _held(row, lease):
+        # The status changes first, as a compare-and-set: its write takes the database's
+        # lock (SQLite's, the row's on PostgreSQL), so a cancel or a delete that landed
+        # since the lease was checked makes this roll back instead of being overwritten.
+        usage = sum(
+            len(text.encode()) + 4 * len(vector)
+            for (text, _), vector in zip(chunks, vectors, strict=True)
+        )
+        done = s.execute(
+            update(VectorStoreFile)
+            .where(
+                VectorStoreFile.seq == lease.seq,
+                VectorStoreFile.status == "in_progress",
+                VectorStoreFile.leased_at == lease.mark,
+            )
+            .values(status="completed", usage_bytes=usage)
+        ).rowcount
+        if not done:
             raise Lost
+        file_id = s.scalar(select(VectorStoreFile.file_id).where(VectorStoreFile.seq == lease.seq))
         made = [
             Chunk(
                 store_id=store_id,
-                file_id=row.file_id,
+                file_id=file_id,
                 position=i,
                 text=text,
                 tokens=len(ids),
@@ -224,16 +247,25 @@ class Ingestor:
         s.flush()
         self.index.add(s, store_id, made)
         self.lexical.add(s, store_id, made)
-        row.status = "completed"
-        row.usage_bytes = sum(len(c.text.encode()) + len(c.embedding) for c in made)
         _touch(s, store_id)
         return True
 
     def _fail(self, s: Session, lease: Lease, error: dict) -> None:
-        row = s.get(VectorStoreFile, lease.seq)
-        if _held(row, lease):
-            row.status, row.last_error = "failed", error
-            logger.warning("vector store file %s failed: %s", row.file_id, error["message"])
+        failed = s.execute(
+            update(VectorStoreFile)
+            .where(
+                VectorStoreFile.seq == lease.seq,
+                VectorStoreFile.status == "in_progress",
+                VectorStoreFile.leased_at == lease.mark,
+            )
+            .values(status="failed", last_error=error)
+        ).rowcount
+        if failed:
+            logger.warning("vector store file %s failed: %s", lease.seq, error["message"])
+
+
+def _parsed(media_type: str) -> bool:
+    return media_type.partition(";")[0].strip().lower() in (HTML, PDF)
 
 
 def _move(s: Session, lease: Lease, old: float, new: float | None = None) -> bool:
@@ -251,10 +283,6 @@ def _move(s: Session, lease: Lease, old: float, new: float | None = None) -> boo
     if moved:
         lease.mark = new
     return bool(moved)
-
-
-def _held(row: VectorStoreFile | None, lease: Lease) -> bool:
-    return row is not None and row.status == "in_progress" and row.leased_at == lease.mark
 
 
 def _entry(s: Session, seq: int) -> tuple[str, str, dict, str | None] | None:

@@ -20,76 +20,15 @@ from deployments.state.files import Chunk
 
 WORD = re.compile(r"\w+", re.UNICODE)
 MAX_TERMS = 64  # words of one query that count: a query is at most a few sentences
-
-
 STOP = frozenset(
-    [
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "but",
-        "by",
-        "can",
-        "could",
-        "did",
-        "do",
-        "does",
-        "for",
-        "from",
-        "had",
-        "has",
-        "have",
-        "how",
-        "i",
-        "if",
-        "in",
-        "into",
-        "is",
-        "it",
-        "its",
-        "may",
-        "might",
-        "must",
-        "not",
-        "of",
-        "on",
-        "or",
-        "should",
-        "so",
-        "than",
-        "that",
-        "the",
-        "their",
-        "them",
-        "then",
-        "there",
-        "these",
-        "they",
-        "this",
-        "those",
-        "to",
-        "was",
-        "we",
-        "were",
-        "what",
-        "when",
-        "where",
-        "which",
-        "while",
-        "who",
-        "whom",
-        "why",
-        "will",
-        "with",
-        "would",
-        "you",
-        "your",
-    ]
+    WORD.findall(
+        """a an and are as at be but by can could did do does for from had has have how i if
+        in into is it its may might must not of on or should so than that the their them then
+        there these they this those to was we were what when where which while who whom why
+        will with would you your"""
+    )
 )
+FTS = "chunk_terms"
 
 
 def terms(query: str) -> list[str]:
@@ -100,61 +39,64 @@ def terms(query: str) -> list[str]:
     return list(seen)[:MAX_TERMS]
 
 
+def _sqlite(s: Session) -> bool:
+    return s.get_bind().dialect.name == "sqlite"
+
+
+def _fts_exists(s: Session) -> bool:
+    found = s.execute(text("SELECT 1 FROM sqlite_master WHERE name = :n"), {"n": FTS})
+    return found.first() is not None
+
+
 class LexicalIndex:
-    def __init__(self) -> None:
-        self._ready = False
-
-    def _ensure(self, s: Session) -> str:
-        dialect = s.get_bind().dialect.name
-        if not self._ready:
-            if dialect == "sqlite":
-                s.execute(
-                    text(
-                        "CREATE VIRTUAL TABLE IF NOT EXISTS chunk_terms "
-                        "USING fts5(text, store_id UNINDEXED, tokenize='porter unicode61')"
-                    )
-                )
-            self._ready = True
-        return dialect
-
     def add(self, s: Session, store_id: str, chunks: list[Chunk]) -> None:
-        if chunks and self._ensure(s) == "sqlite":
-            s.execute(
-                text("INSERT INTO chunk_terms(rowid, text, store_id) VALUES (:seq, :text, :store)"),
-                [{"seq": c.seq, "text": c.text, "store": store_id} for c in chunks],
+        if not chunks or not _sqlite(s):
+            return  # PostgreSQL's terms are the chunks' own generated column
+        # Made when first needed, in the transaction that writes the chunks (checked each
+        # time: a table made in a transaction that rolled back is gone).
+        s.execute(
+            text(
+                f"CREATE VIRTUAL TABLE IF NOT EXISTS {FTS} "
+                "USING fts5(text, store_id UNINDEXED, tokenize='porter unicode61')"
             )
+        )
+        s.execute(
+            text(f"INSERT INTO {FTS}(rowid, text, store_id) VALUES (:seq, :text, :store)"),
+            [{"seq": c.seq, "text": c.text, "store": store_id} for c in chunks],
+        )
 
     def delete(self, s: Session, seqs: list[int]) -> None:
-        if seqs and self._ensure(s) == "sqlite":
+        if seqs and _sqlite(s) and _fts_exists(s):
             for start in range(0, len(seqs), 500):
                 marks = ",".join(str(int(q)) for q in seqs[start : start + 500])
-                s.execute(text(f"DELETE FROM chunk_terms WHERE rowid IN ({marks})"))
+                s.execute(text(f"DELETE FROM {FTS} WHERE rowid IN ({marks})"))
 
     def search(self, s: Session, store_ids: list[str], query: str, k: int) -> list[int]:
         words = terms(query)
         if not words or not store_ids:
             return []
-        dialect = self._ensure(s)
         stores = {f"s{i}": store for i, store in enumerate(store_ids)}
         among = ",".join(f":{name}" for name in stores)
+        dialect = s.get_bind().dialect.name
         if dialect == "sqlite":
+            if not _fts_exists(s):
+                return []  # nothing indexed yet
             match = " OR ".join('"' + w.replace('"', "") + '"' for w in words)
             rows = s.execute(
                 text(
-                    "SELECT rowid FROM chunk_terms WHERE chunk_terms MATCH :match "
-                    f"AND store_id IN ({among}) ORDER BY bm25(chunk_terms) LIMIT :k"
+                    f"SELECT rowid FROM {FTS} WHERE {FTS} MATCH :match "
+                    f"AND store_id IN ({among}) ORDER BY bm25({FTS}) LIMIT :k"
                 ),
                 {"match": match, "k": k, **stores},
             )
         elif dialect == "postgresql":
-            query_text = " | ".join(words)
             rows = s.execute(
                 text(
                     "SELECT seq FROM chunks, to_tsquery('english', :q) query "
                     f"WHERE store_id IN ({among}) AND terms @@ query "
                     "ORDER BY ts_rank_cd(terms, query) DESC LIMIT :k"
                 ),
-                {"q": query_text, "k": k, **stores},
+                {"q": " | ".join(words), "k": k, **stores},
             )
         else:
             return []

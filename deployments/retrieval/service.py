@@ -171,16 +171,13 @@ class Retrieval:
             .values(version=VectorStore.version + 1)
         )
 
-    async def forget_file(self, file_id: str) -> None:
-        """A deleted file leaves every store it was in, chunks and all."""
-
-        def work(s: Session) -> None:
-            rows = s.scalars(select(VectorStoreFile).where(VectorStoreFile.file_id == file_id))
-            for row in list(rows):
-                self.drop_chunks(s, row.store_id, file_id)
-                s.delete(row)
-
-        await self.db.work(work)
+    def forget(self, s: Session, file_id: str) -> None:
+        """A deleted file leaves every store it was in, chunks and all (in the
+        transaction that deletes it: the Files API's store calls this)."""
+        rows = s.scalars(select(VectorStoreFile).where(VectorStoreFile.file_id == file_id))
+        for row in list(rows):
+            self.drop_chunks(s, row.store_id, file_id)
+            s.delete(row)
 
     async def thread_store(
         self, who: Caller | None, name: str, file_ids: list[str], days: int = 7

@@ -195,3 +195,27 @@ def test_a_compression_bomb_in_a_pdf_fails_without_inflating_it(tmp_path):
     started = time.perf_counter()
     assert extract_text(path, "application/pdf", 16 * 1024 * 1024) == ""
     assert time.perf_counter() - started < 10
+
+
+def test_a_child_reads_as_this_process_does_and_is_stopped_past_its_time(tmp_path):
+    """HTML and PDF are parsed in a child bounded in time: it answers what extract_text
+    answers, errors included, and a page that would take minutes fails at the bound."""
+    import time
+
+    from deployments.retrieval.extract_child import extract_in_child
+
+    page = tmp_path / "page.html"
+    page.write_text("<p>One</p><script>x()</script><p>Two &amp; </ three</p>")
+    html = "text/html; charset=utf-8"
+    assert extract_in_child(page, html, 1000) == extract_text(page, html, 1000)
+    assert "Two & </ three" in extract_in_child(page, html, 1000)
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(b"%PDF-1.4 nothing more")
+    with pytest.raises(ExtractionError, match="PDF could not be read"):
+        extract_in_child(broken, "application/pdf", 1000)
+    slow = tmp_path / "slow.html"
+    slow.write_text("<a" * 200_000)  # html.parser: tens of seconds (quadratic)
+    started = time.perf_counter()
+    with pytest.raises(ExtractionError, match="took more than 2 s"):
+        extract_in_child(slow, html, 16 * 1024 * 1024, timeout_s=2)
+    assert time.perf_counter() - started < 10

@@ -121,6 +121,9 @@ def test_unknown_stores_and_bad_tools_are_refused(served):
             [_tool(store_id), _tool(store_id)],
             [{"type": "file_search", "vector_store_ids": []}],
             [_tool(store_id, max_num_results=51)],
+            [_tool(store_id, ranking_options={"score_threshold": "abc"})],
+            [_tool(store_id, ranking_options={"score_threshold": 5})],
+            [_tool(store_id, filters={"type": ["eq"], "key": "a", "value": 1})],
         ):
             with pytest.raises(openai.APIStatusError) as exc:
                 await client.responses.create(model=MODEL, input="hi", tools=tools)
@@ -131,4 +134,4 @@ def test_unknown_stores_and_bad_tools_are_refused(served):
             )
         return errors
 
-    assert scenario(served, body) == [404, 400, 400, 400]
+    assert scenario(served, body) == [404, 400, 400, 400, 400, 400, 400]

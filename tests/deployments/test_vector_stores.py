@@ -6,10 +6,11 @@ import asyncio
 
 import openai
 import pytest
+from sqlalchemy import update
 
 from deployments.config import AppConfig
 from deployments.embeddings import Embedder
-from deployments.state.files import Chunk
+from deployments.state.files import Chunk, StoredFile
 from tests.local_app import MODEL, http_client, local_app, run
 from tests.postgres import postgres_server, unavailable
 
@@ -138,6 +139,9 @@ def test_bad_files_fail_and_bounds_are_400s(served):
             {"max_num_results": 51},
             {"max_num_results": 0},
             {"filters": {"type": "near", "key": "a", "value": 1}},
+            {"filters": {"type": ["eq"], "key": "a", "value": 1}},
+            {"filters": {"type": "and", "filters": [{"type": {"x": 1}}]}},
+            {"filters": {"type": "eq", "key": "a", "value": {"deep": 1}}},
         ):
             with pytest.raises(openai.BadRequestError) as exc:
                 await client.vector_stores.search(store.id, query="x", **bad)
@@ -230,3 +234,34 @@ def test_an_ingestion_cut_short_is_taken_up_whole(served, embedder):
     assert cut.status == "in_progress" and chunks_then == 0
     assert done.status == "completed"
     assert sorted(rows) == list(range(expected)) and expected > 2
+
+
+def test_an_expired_file_leaves_its_stores(served):
+    """A file past its expires_after is swept by the next upload or list, with its
+    chunks in every store (as a deleted one is)."""
+    retrieval = served.state.retrieval
+
+    async def body(client):  # noqa: ANN001, ANN202
+        store = await client.vector_stores.create(name="expiring", chunking_strategy=STATIC)
+        f = await client.files.create(
+            file=("bees.md", DOCS["bees.md"].encode()),
+            purpose="assistants",
+            expires_after={"anchor": "created_at", "seconds": 3600},
+        )
+        await client.vector_stores.files.create_and_poll(
+            file_id=f.id, vector_store_id=store.id, poll_interval_ms=100
+        )
+        found = await client.vector_stores.search(store.id, query="waggle dance")
+
+        def expire(s):  # noqa: ANN001, ANN202
+            s.execute(update(StoredFile).where(StoredFile.id == f.id).values(expires_at=1))
+
+        await retrieval.db.work(expire)
+        [x async for x in client.files.list()]  # the sweep
+        after = await client.vector_stores.search(store.id, query="waggle dance")
+        counted = await client.vector_stores.retrieve(store.id)
+        return found, after, counted
+
+    found, after, counted = scenario(served, body)
+    assert found.data and not after.data
+    assert counted.file_counts.total == 0 and counted.usage_bytes == 0

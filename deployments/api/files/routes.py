@@ -113,12 +113,8 @@ async def file_content(file_id: str, files: FilesDep, who: WhoDep) -> FileRespon
 
 
 @router.delete("/files/{file_id}")
-async def delete_file(file_id: str, files: FilesDep, who: WhoDep, request: Request) -> dict:
-    deleted = await files.delete_file(file_id, who)
-    retrieval = getattr(request.app.state, "retrieval", None)
-    if retrieval is not None:  # its bytes are gone: so are its chunks, in every store
-        await retrieval.forget_file(file_id)
-    return deleted
+async def delete_file(file_id: str, files: FilesDep, who: WhoDep) -> dict:
+    return await files.delete_file(file_id, who)
 
 
 def _expires_after(purpose: str, anchor: str | None, seconds: int | None) -> int | None:

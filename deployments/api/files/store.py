@@ -19,7 +19,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -81,6 +81,9 @@ class FilesStore:
         self.dir = Path(config.data_dir).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._drop_stale_parts()
+        # What else goes with a deleted file, in its transaction: its chunks in every
+        # vector store (set by the vector stores' install, when retrieval is on).
+        self.forget: Callable[[Session, str], None] | None = None
 
     def close(self) -> None:
         self.db.close()
@@ -172,6 +175,8 @@ class FilesStore:
 
         def work(s: Session) -> None:
             s.delete(_find(s, file_id, who))
+            if self.forget is not None:
+                self.forget(s, file_id)
 
         await self.db.work(work)
         await asyncio.to_thread(self.path_of(file_id).unlink, missing_ok=True)
@@ -185,6 +190,8 @@ class FilesStore:
             ids = list(s.scalars(stmt.limit(SWEPT_AT_ONCE)))
             if ids:
                 s.execute(delete(StoredFile).where(StoredFile.id.in_(ids)))
+                for file_id in ids if self.forget is not None else ():
+                    self.forget(s, file_id)
             return ids
 
         ids = await self.db.work(work)

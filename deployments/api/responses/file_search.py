@@ -55,13 +55,13 @@ async def search_turn(
         raise InvalidRequestError("file_search needs a user message to search for", "input")
     await retrieval.usable(tool.vector_store_ids, who)
     query = _text(users[-1]["content"])
-    ranking = tool.ranking_options or {}
+    ranking = tool.ranking_options
     found = await retrieval.search(
         tool.vector_store_ids,
         query,
         tool.max_num_results or DEFAULT_RESULTS,
-        threshold=float(ranking.get("score_threshold") or 0.0),
-        hybrid=ranking.get("ranker") != "none",
+        threshold=ranking.score_threshold if ranking else 0.0,
+        hybrid=ranking is None or ranking.ranker != "none",
         filters=tool.filters,
     )
     users[-1]["content"] = with_excerpts(found, query)

@@ -99,6 +99,12 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
+class RankingOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ranker: Literal["auto", "default-2024-11-15", "none"] = "auto"
+    score_threshold: float = Field(0.0, ge=0.0, le=1.0)
+
+
 class FileSearchTool(BaseModel):
     """The file_search tool: the stores to search (deployments/api/responses/file_search.py)."""
 
@@ -106,7 +112,7 @@ class FileSearchTool(BaseModel):
     type: Literal["file_search"]
     vector_store_ids: list[Annotated[str, Field(max_length=64)]] = Field(min_length=1, max_length=8)
     max_num_results: int | None = Field(None, ge=1, le=50)
-    ranking_options: dict[str, Any] | None = None
+    ranking_options: RankingOptions | None = None
     filters: dict[str, Any] | None = None
 
 

@@ -37,6 +37,9 @@ def install(app: FastAPI, ingress: Ingress) -> None:
     retrieval = Retrieval(config.database.sqlalchemy_url(), config.files, ingress.embedder)
     app.state.retrieval = retrieval
     app.state.vector_stores = VectorStoresStore(retrieval)
+    files = getattr(app.state, "files", None)  # the Files API's store, installed before
+    if files is not None:  # a deleted or expired file takes its chunks with it
+        files.forget = retrieval.forget
     logger.info("vector index: %s", retrieval.index.kind)
     app.router.on_startup.append(retrieval.start)
     app.router.on_shutdown.append(retrieval.stop)
