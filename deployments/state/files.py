@@ -64,7 +64,10 @@ class VectorStore(Base):
     last_active_at: Mapped[int] = mapped_column(Integer, default=now)
     version: Mapped[int] = mapped_column(Integer, default=0)
 
-    def as_api(self, counts: dict[str, int], usage_bytes: int) -> dict:
+    def as_api(self, counts: dict[str, int] | None = None, usage_bytes: int = 0) -> dict:
+        """The API's object; its counts and usage are its files' (the store passes them:
+        without, a page's rows say none, and the store fills them in)."""
+        counts = counts or dict.fromkeys((*FILE_STATUSES, "total"), 0)
         expired = self.expires_at is not None and self.expires_at <= now()
         return {
             "id": self.id,

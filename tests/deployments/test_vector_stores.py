@@ -87,6 +87,8 @@ def test_upload_index_search_and_delete(served):
     async def body(client):  # noqa: ANN001, ANN202
         store, batch = await _indexed(client)
         got = await client.vector_stores.retrieve(store.id)
+        stores = {v.id: v async for v in client.vector_stores.list()}
+        assert stores[store.id].file_counts.completed == 3 and stores[store.id].usage_bytes
         listed = [f async for f in client.vector_stores.files.list(store.id)]
         q = "How do bees tell each other where the flowers are?"
         hits = (await client.vector_stores.search(store.id, query=q, max_num_results=3)).data
