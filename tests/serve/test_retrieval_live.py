@@ -1,6 +1,8 @@
 """Files, vector stores, file_search and Conversations on the live app, with the official
 (sync) openai SDK, on SQLite and on a PostgreSQL server started here: uploads are
 indexed by the ingress's background ingestor through the Embedder deployment; an
+Assistants run searches a store and cites it, another stops for a function's output;
+an
 ingress killed while it indexes a file is replaced and the file is indexed whole,
 exactly as a file indexed without a kill; a Responses call searches a store; a
 three-turn conversation's third turn computes only its own tokens.
@@ -20,7 +22,11 @@ from tests.postgres import postgres_server, unavailable
 from tests.retrieval_corpus import documents
 from tests.serve.live import wait_healthy
 
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks Assistants so
 MODEL = "smollm2-135m-instruct"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
 APP, PREFIX = "retrieval-live", "/rlive"
 NO_POSTGRES = unavailable()
 
@@ -115,6 +121,44 @@ def test_retrieval_flows_and_an_ingress_killed_mid_file(base_url, database, tmp_
         own = third.input_tokens - third.input_tokens_details.cached_tokens
         assert third.input_tokens_details.cached_tokens >= turns[1].usage.input_tokens
         assert 0 < own < 20, third
+
+        # Assistants: file_search over the store, with citations; a function tool stops
+        # the run for its output, which continues it.
+        assistants = client.beta.assistants
+        searching = assistants.create(
+            model=MODEL,
+            tools=[{"type": "file_search"}],
+            tool_resources={"file_search": {"vector_store_ids": [store.id]}},
+            temperature=0,
+        )
+        thread = client.beta.threads.create(
+            messages=[{"role": "user", "content": "How do bees tell where flowers are?"}]
+        )
+        runs = client.beta.threads.runs
+        cited = runs.create_and_poll(
+            thread_id=thread.id, assistant_id=searching.id, max_completion_tokens=24
+        )
+        assert cited.status in ("completed", "incomplete"), cited.last_error
+        reply = client.beta.threads.messages.list(thread.id, limit=1).data[0]
+        assert reply.content[0].text.annotations[0].type == "file_citation"
+        weather = assistants.create(model=MODEL, tools=[WEATHER], temperature=0)
+        asked = client.beta.threads.create(
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}]
+        )
+        waiting = runs.create_and_poll(
+            thread_id=asked.id,
+            assistant_id=weather.id,
+            tool_choice=FORCED,
+            max_completion_tokens=40,
+        )
+        assert waiting.status == "requires_action"
+        calls = waiting.required_action.submit_tool_outputs.tool_calls
+        answered = runs.submit_tool_outputs_and_poll(
+            run_id=waiting.id,
+            thread_id=asked.id,
+            tool_outputs=[{"tool_call_id": c.id, "output": "18 C and sunny"} for c in calls],
+        )
+        assert answered.status in ("completed", "incomplete"), answered.last_error
 
         # An ingress killed while it indexes a long file: the file is indexed whole.
         name, text = max(documents().items(), key=lambda d: len(d[1]))  # the longest: ~20 s
