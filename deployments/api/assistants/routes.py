@@ -4,9 +4,9 @@ these routes validate, call the store, and answer its objects. Each says who ask
 key sees only what it made, another key's ids are 404s (OWNERS in state/assistants.py)."""
 
 import logging
-from typing import Annotated, Literal
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Query
+from fastapi import APIRouter, FastAPI, Header
 
 from app.protocol.errors import ShoalError
 from deployments.api.assistants import service
@@ -22,6 +22,7 @@ from deployments.api.assistants.service import Assistants, AssistantsDep, WhoDep
 from deployments.api.assistants.thread_context import free_thread
 from deployments.api.assistants.thread_files import attach, checked_resources, thread_resources
 from deployments.api.assistants.tool_schema import dump_tools
+from deployments.api.cursor import CursorDep
 from deployments.http.caller import Caller
 from deployments.ingress import Ingress, IngressDep
 
@@ -33,21 +34,6 @@ IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_lengt
 def install(app: FastAPI, ingress: Ingress) -> None:
     service.install(app, ingress)
 
-
-class Cursor:
-    """A list's `limit`, `order`, `after` and `before` (query parameters)."""
-
-    def __init__(
-        self,
-        limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        order: Literal["asc", "desc"] = "desc",
-        after: str | None = None,
-        before: str | None = None,
-    ) -> None:
-        self.args = {"limit": limit, "order": order, "after": after, "before": before}
-
-
-CursorDep = Annotated[Cursor, Depends()]
 
 ASSISTANT_FIELDS = ("model", "name", "description", "instructions", "temperature", "top_p")
 

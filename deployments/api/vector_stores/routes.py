@@ -8,8 +8,9 @@ here in the background; any ingress's ingestor may take up a file another left."
 import logging
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 
+from deployments.api.cursor import CursorDep
 from deployments.api.vector_stores.schema import (
     BatchCreate,
     FileCreate,
@@ -52,20 +53,6 @@ async def _store(request: Request) -> VectorStoresStore:
 
 StoreDep = Annotated[VectorStoresStore, Depends(_store)]
 WhoDep = Annotated[Caller, Depends(caller_of)]
-
-
-class Cursor:
-    def __init__(
-        self,
-        limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        order: Literal["asc", "desc"] = "desc",
-        after: str | None = None,
-        before: str | None = None,
-    ) -> None:
-        self.args = {"limit": limit, "order": order, "after": after, "before": before}
-
-
-CursorDep = Annotated[Cursor, Depends()]
 
 
 def _entry(f: FileCreate) -> dict:
