@@ -19,7 +19,7 @@ from deployments.retrieval.fusion import fuse
 from deployments.retrieval.index import Index, open_index
 from deployments.retrieval.ingest import Ingestor
 from deployments.retrieval.lexical import LexicalIndex
-from deployments.retrieval.stores import new_store, pending, queue_files
+from deployments.retrieval.stores import in_use, new_store, pending, queue_files
 from deployments.state.database import Database, find
 from deployments.state.files import Chunk, StoredFile, VectorStore, VectorStoreFile
 
@@ -77,7 +77,7 @@ class Retrieval:
         with a BM25 ranking of the same stores when `hybrid` (reciprocal rank fusion;
         each result keeps its cosine similarity as its score). Below `threshold`, none.
         With `filters`, only chunks of files whose attributes match, chosen among the
-        FILTERED_POOL nearest of each half."""
+        FILTERED_POOL nearest of each half. An expired store is a 400."""
         if filters is not None:
             check(filters)
         if len(query) > self.config.max_query_chars:
@@ -106,6 +106,7 @@ class Retrieval:
         hybrid: bool,
         filters: dict | None,
     ) -> list[Found]:
+        in_use(s, store_ids)
         near = self.index.search(s, store_ids, vector, want)
         scores = dict(near)
         order = [seq for seq, _ in near]

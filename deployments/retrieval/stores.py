@@ -5,19 +5,34 @@ its own). One unit of work each, on a session the caller holds."""
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.protocol.errors import ConflictError
+from app.protocol.errors import ConflictError, InvalidRequestError
 from deployments.http.caller import Caller
 from deployments.state.base import new_id, now
 from deployments.state.database import find
 from deployments.state.files import StoredFile, VectorStore, VectorStoreFile
 
 DAY_S = 86_400
+TOUCH_EVERY_S = 60
 DEFAULT_CHUNKING = {"max_chunk_size_tokens": 800, "chunk_overlap_tokens": 400}  # OpenAI's
 
 
 def expiry(store: VectorStore) -> None:
     after = store.expires_after
     store.expires_at = None if not after else store.last_active_at + after["days"] * DAY_S
+
+
+def in_use(s: Session, store_ids: list[str]) -> None:
+    """Stores a search is about to read: an expired one is a 400, as OpenAI's (a run on a
+    thread whose store expired fails until a new store is attached); the others' last
+    use moves to now, which pushes their expiry on. At most once a minute a store: a
+    search should not be a write each time."""
+    stamp = now()
+    for store in s.scalars(select(VectorStore).where(VectorStore.id.in_(store_ids))):
+        if store.expires_at is not None and store.expires_at <= stamp:
+            raise InvalidRequestError(f"vector store {store.id} has expired", "vector_store_id")
+        if stamp - store.last_active_at >= TOUCH_EVERY_S:
+            store.last_active_at = stamp
+            expiry(store)
 
 
 def new_store(s: Session, who: Caller | None, **fields: object) -> VectorStore:

@@ -135,3 +135,30 @@ def test_unknown_stores_and_bad_tools_are_refused(served):
         return errors
 
     assert scenario(served, body) == [404, 400, 400, 400, 400, 400, 400]
+
+
+def test_an_expired_store_is_refused_by_every_search(served):
+    # The store's own search route checked its expiry; Responses' file_search did not,
+    # and searched a store its owner had let lapse.
+    from sqlalchemy import update
+
+    from deployments.state.files import VectorStore
+
+    db = served.state.retrieval.db
+
+    async def body(client, store_id):  # noqa: ANN001, ANN202
+        def lapse(s) -> None:  # noqa: ANN001
+            s.execute(update(VectorStore).where(VectorStore.id == store_id).values(expires_at=1))
+
+        await db.work(lapse)
+        errors = []
+        for call in (
+            client.responses.create(model=MODEL, input=QUESTION, tools=[_tool(store_id)]),
+            client.vector_stores.search(store_id, query=QUESTION),
+        ):
+            with pytest.raises(openai.BadRequestError) as exc:
+                await call
+            errors.append(exc.value.message)
+        return errors
+
+    assert all("has expired" in m for m in scenario(served, body))

@@ -9,12 +9,11 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from app.protocol.errors import InvalidRequestError
 from deployments.http.caller import Caller
 from deployments.retrieval.service import Retrieval
 from deployments.retrieval.stores import expiry as _expiry
 from deployments.retrieval.stores import new_store, queue_files
-from deployments.state.base import new_id, now
+from deployments.state.base import new_id
 from deployments.state.database import find, page
 from deployments.state.files import (
     FILE_STATUSES,
@@ -229,13 +228,6 @@ class VectorStoresStore:
         return await self.db.work(work)
 
     async def searchable(self, store_id: str, who: Who) -> None:
-        """404 unless the caller may search this store; searching keeps it active."""
-
-        def work(s: Session) -> None:
-            store = find(s, VectorStore, store_id, who)
-            if store.expires_at is not None and store.expires_at <= now():
-                raise InvalidRequestError(f"vector store {store_id} has expired", "vector_store_id")
-            store.last_active_at = now()
-            _expiry(store)
-
-        await self.db.work(work)
+        """404 unless the caller may search this store (the search itself refuses an
+        expired one and keeps the others active: Retrieval.search)."""
+        await self.db.work(find, VectorStore, store_id, who)
