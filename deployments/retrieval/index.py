@@ -37,7 +37,11 @@ def pack(vector: list[float]) -> bytes:
 
 class ExactIndex:
     kind = "exact"
-    CACHED_STORES = 64  # matrices kept; each is a store's chunks x dimension float32
+    # Matrices kept (each a store's chunks x dimension float32), bounded in bytes: 64 small
+    # stores, or a few of 100,000 chunks (150 MB each at MiniLM's 384). A store larger
+    # than the whole budget is read each time, not kept.
+    CACHED_STORES = 64
+    CACHED_BYTES = 512 << 20
 
     def __init__(self) -> None:
         self._cache: OrderedDict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
@@ -82,9 +86,11 @@ class ExactIndex:
         with self._lock:
             for old in [k for k in self._cache if k[0] == store_id]:
                 del self._cache[old]  # an older version of this store: never read again
-            self._cache[key] = (seqs, matrix)
-            while len(self._cache) > self.CACHED_STORES:
-                self._cache.popitem(last=False)
+            if matrix.nbytes <= self.CACHED_BYTES:
+                self._cache[key] = (seqs, matrix)
+            held = sum(m.nbytes for _, m in self._cache.values())
+            while len(self._cache) > self.CACHED_STORES or held > self.CACHED_BYTES:
+                held -= self._cache.popitem(last=False)[1][1].nbytes
         return seqs, matrix
 
 

@@ -85,6 +85,21 @@ def test_sqlite_vec_and_exact_agree(db):
     assert _search(db, exact, ["vs_a"], q.tolist(), 1)[0][0] == 44
 
 
+def test_the_exact_index_keeps_its_matrices_within_a_byte_budget(db):
+    # Bounded by count alone, 64 stores of 100,000 chunks would have held ~10 GB.
+    exact = ExactIndex()
+    exact.CACHED_BYTES = 150 * 16 * 4  # one store's matrix (150 chunks x 16) at a time
+    _fill(db, exact, 300)
+    q = [1.0] + [0.0] * 15
+    for stores in (["vs_a"], ["vs_b"], ["vs_a", "vs_b"]):
+        assert _search(db, exact, stores, q, 3)
+        assert sum(m.nbytes for _, m in exact._cache.values()) <= exact.CACHED_BYTES
+    assert len(exact._cache) == 1
+    exact.CACHED_BYTES = 100  # smaller than any store: nothing is kept, answers stay right
+    assert _search(db, exact, ["vs_a"], q, 3) == _search(db, ExactIndex(), ["vs_a"], q, 3)
+    assert not exact._cache
+
+
 @pytest.mark.live  # starts a PostgreSQL server
 @pytest.mark.skipif(NO_POSTGRES is not None, reason=str(NO_POSTGRES))
 def test_pgvector_and_exact_agree_on_postgresql():
