@@ -5,10 +5,11 @@ corpus is cut by the Embedder's static chunking, embedded as the product embeds 
 (all-MiniLM-L6-v2, `embed_passages`), and each question's chunks are ranked by:
 
 - bm25: rank_bm25's BM25Okapi over lowercased word tokens (the plain baseline);
+- fts: file_search's own lexical half on SQLite (FTS5, Porter, stop words dropped);
 - vectors: cosine similarity to the question's embedding;
-- hybrid: reciprocal rank fusion (k=60) of the two whole rankings;
-- hybrid-top20: the same fusion of each ranking's first 20 only, as the product fuses
-  for k=5 (deployments/retrieval/service.py: CANDIDATES x k from each half);
+- product: what file_search does for 5 results: reciprocal rank fusion (k=60) of the
+  first 20 of vectors and of fts (deployments/retrieval/service.py: CANDIDATES x k);
+- hybrid: the same fusion of the whole vectors and bm25 rankings;
 - vectors-bestwin, hybrid-bestwin: a chunk scored by its most similar window (254
   tokens) instead of the mean of its windows that `embed_passages` stores: what a long
   chunk loses to the mean (an alternative, not what the product does).
@@ -46,13 +47,15 @@ def one_chunking(embedder: Embedder, docs, qs, max_tokens: int, overlap: int, sh
     assert drift < 1e-4, f"mean of windows differs from embed_passages by {drift}"
     queries = rc.query_vectors(embedder, [q.question for q in qs])
     lexical = rc.bm25_rankings(chunks, [q.question for q in qs])
+    fts = rc.fts_rankings(chunks, [q.question for q in qs])
     vector = rc.ranked(queries @ vectors.T)
     best = rc.ranked(rc.best_window(queries, windows, owner, len(chunks)))
     rankings = {
         "bm25": lexical,
+        "fts": fts,
         "vectors": vector,
+        "product": rc.hybrid_rankings(vector, fts, depth=PRODUCT_DEPTH),
         "hybrid": rc.hybrid_rankings(vector, lexical),
-        "hybrid-top20": rc.hybrid_rankings(vector, lexical, depth=PRODUCT_DEPTH),
         "vectors-bestwin": best,
         "hybrid-bestwin": rc.hybrid_rankings(best, lexical),
     }

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from deployments.retrieval.fusion import fuse
+from deployments.retrieval.lexical import TOKENIZER, fts_match, terms
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "retrieval"
 WORD = re.compile(r"\w+")
@@ -143,6 +144,39 @@ def bm25_rankings(chunks: list[Chunk], queries: list[str]) -> list[list[int]]:
 
     bm25 = BM25Okapi([words(c.text) for c in chunks])
     return [np.argsort(-bm25.get_scores(words(q)), kind="stable").tolist() for q in queries]
+
+
+def fts_rankings(chunks: list[Chunk], queries: list[str]) -> list[list[int]]:
+    """Each query's chunks, best first, as file_search's lexical half ranks them on
+    SQLite (deployments/retrieval/lexical.py): FTS5 with its tokenizer, the query's words
+    less stop words OR-ed, ordered by `bm25()`; the chunks no word matched follow in
+    corpus order."""
+    import sqlite3
+
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute(f"CREATE VIRTUAL TABLE t USING fts5(text, tokenize='{TOKENIZER}')")
+        db.executemany(
+            "INSERT INTO t(rowid, text) VALUES (?, ?)", enumerate(c.text for c in chunks)
+        )
+        out = []
+        for q in queries:
+            words = terms(q)
+            found = (
+                [
+                    row[0]
+                    for row in db.execute(
+                        "SELECT rowid FROM t WHERE t MATCH ? ORDER BY bm25(t)", (fts_match(words),)
+                    )
+                ]
+                if words
+                else []
+            )
+            seen = set(found)
+            out.append(found + [i for i in range(len(chunks)) if i not in seen])
+        return out
+    finally:
+        db.close()
 
 
 def vector_rankings(embedder: Any, vectors: np.ndarray, queries: list[str]) -> list[list[int]]:

@@ -29,6 +29,7 @@ STOP = frozenset(
     )
 )
 FTS = "chunk_terms"
+TOKENIZER = "porter unicode61"  # FTS5's: words split on non-alphanumerics, Porter-stemmed
 
 
 def terms(query: str) -> list[str]:
@@ -37,6 +38,11 @@ def terms(query: str) -> list[str]:
         if len(word) > 1 and word not in STOP:
             seen.setdefault(word, None)
     return list(seen)[:MAX_TERMS]
+
+
+def fts_match(words: list[str]) -> str:
+    """An FTS5 MATCH expression: any of these words, each quoted as a plain string."""
+    return " OR ".join('"' + w.replace('"', "") + '"' for w in words)
 
 
 def _sqlite(s: Session) -> bool:
@@ -57,7 +63,7 @@ class LexicalIndex:
         s.execute(
             text(
                 f"CREATE VIRTUAL TABLE IF NOT EXISTS {FTS} "
-                "USING fts5(text, store_id UNINDEXED, tokenize='porter unicode61')"
+                f"USING fts5(text, store_id UNINDEXED, tokenize='{TOKENIZER}')"
             )
         )
         s.execute(
@@ -81,7 +87,7 @@ class LexicalIndex:
         if dialect == "sqlite":
             if not _fts_exists(s):
                 return []  # nothing indexed yet
-            match = " OR ".join('"' + w.replace('"', "") + '"' for w in words)
+            match = fts_match(words)
             rows = s.execute(
                 text(
                     f"SELECT rowid FROM {FTS} WHERE {FTS} MATCH :match "
