@@ -96,6 +96,13 @@ READERS: dict[ToolFormat, type[Reader]] = {
 
 # ---- forcing a call ----------------------------------------------------------------------
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Text that is not a call: it never holds (or, for Llama 3's bare JSON, opens with) a
+# call's marker, so a call the model starts is always read as one.
+TEXT = {
+    ToolFormat.HERMES: r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_.*)/",
+    ToolFormat.LLAMA3_JSON: r"TEXT: /(?s:[^{\s<].*)/",  # an output that opens with { is a call
+    ToolFormat.MISTRAL: r"TEXT: /(?s:.+)/ & ~/(?s:.*\[TOOL_CALLS.*)/",
+}
 
 
 def call_grammar(
@@ -123,20 +130,24 @@ def call_grammar(
     if fmt is ToolFormat.HERMES:
         call = 'call: "<tool_call>\\n" body "\\n</tool_call>"'
         calls = 'call ("\\n" call)*' if parallel else "call"
-        text = r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_.*)/"
         start = f"start: TEXT | TEXT? {calls}" if optional else f"start: {calls}"
     elif fmt is ToolFormat.LLAMA3_JSON:
         call = "call: body"
         calls = 'call ("; " call)*' if parallel else "call"
-        text = r"TEXT: /(?s:[^{\s<].*)/"  # an output that opens with { is a call
         start = f"start: TEXT | {calls}" if optional else f"start: {calls}"
     else:
         call = "call: body"
         more = '(", " call)*' if parallel else ""
         calls = f'"[TOOL_CALLS] [" call {more} "]"'
-        text = r"TEXT: /(?s:.+)/ & ~/(?s:.*\[TOOL_CALLS.*)/"
         start = f"start: TEXT | TEXT? {calls}" if optional else f"start: {calls}"
     lines = [start, call, f"body: %json {body}"]
     if optional:
-        lines.append(text)
+        lines.append(TEXT[fmt])
     return "\n".join(lines) + "\n"
+
+
+def text_grammar(fmt: ToolFormat) -> str:
+    """A Lark grammar for an answer with no call in `fmt` (tool_choice none while the
+    tools stay in the prompt, as they were for the turns before: the prompt keeps its
+    prefix, and the conversation's cached KV with it)."""
+    return f"start: TEXT\n{TEXT[ToolFormat(fmt)]}\n"

@@ -5,7 +5,8 @@ and `prepare` is the one policy that renders and constrains it:
 - the messages through the model's chat template (or the request's own, `template_args`);
 - with tools, the output is read for calls in the syntax the model was shown, under
   their grammar; the turn's own output constraint (a response format) wins over the
-  tools' grammar, except where a call is forced;
+  tools' grammar, except where a call is forced; with tool_choice "none" the tools stay
+  in the prompt (a conversation's cached prefix with them) and no call is made or read;
 - a reasoning model's output starts with its thinking: a constraint applies to the answer
   after it (`thinking_first`), and the Generation splits the thinking off.
 
@@ -21,7 +22,7 @@ from app.protocol.messages import PromptEnding, TemplateArgs
 from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
 from app.text.reasoning import ReasoningFormat
 from app.text.reasoning_grammar import thinking_first
-from app.text.tool_calls import ToolFormat, call_grammar
+from app.text.tool_calls import ToolFormat, call_grammar, text_grammar
 from deployments.http.generation import Generation
 from deployments.ingress import Ingress
 
@@ -37,14 +38,15 @@ class ToolName:
 class ChatTurn:
     """A chat request in neutral terms. `tools`: as chat templates take them (OpenAI's
     shape), None when the model is not shown any; `tool_choice`: "auto" (the model
-    decides), "required" (a call to any of them) or a ToolName (a call to that one)."""
+    decides), "required" (a call to any of them), a ToolName (a call to that one) or
+    "none" (shown, as to the turns before, but not called)."""
 
     model: str
     messages: list[dict[str, Any]]
     params: SamplingParams  # without the constraint, which `prepare` decides
     constraint: Constraint | None = None  # the response format's, if any
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "required"] | ToolName = "auto"
+    tool_choice: Literal["auto", "required", "none"] | ToolName = "auto"
     parallel_tool_calls: bool = True
     template_args: TemplateArgs | None = None
     ending: PromptEnding = "reply"
@@ -52,7 +54,11 @@ class ChatTurn:
 
     @property
     def forces_call(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "auto"
+        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+
+    @property
+    def forbids_call(self) -> bool:
+        return bool(self.tools) and self.tool_choice == "none"
 
     def tool_constraint(self, fmt: ToolFormat) -> Constraint:
         """The grammar of the calls: forced for `required` (any of the tools) or a named
@@ -87,7 +93,11 @@ async def prepare(ingress: Ingress, turn: ChatTurn) -> PreparedTurn:
     args = turn.template_args
     fmt = ingress.tool_format(turn.model, args) if turn.tools else None
     constraint = turn.constraint
-    if fmt is not None and (turn.forces_call or constraint is None):
+    if fmt is not None and turn.forbids_call:
+        if constraint is None:  # text that holds no call's marker
+            constraint = Constraint(kind="lark", spec=text_grammar(fmt))
+        fmt = None  # nothing of the answer is read as a call
+    elif fmt is not None and (turn.forces_call or constraint is None):
         constraint = turn.tool_constraint(fmt)  # first: tools too many to constrain cost no render
     ids = await ingress.encode_chat(turn.model, turn.messages, turn.tools, turn.ending, args)
     reasoning = ingress.reasoning(turn.model, ids, args)

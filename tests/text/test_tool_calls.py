@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from app.text.tool_calls import ToolFormat, call_grammar, parse, tool_format
+from app.text.tool_calls import ToolFormat, call_grammar, parse, text_grammar, tool_format
 from app.text.tool_stream import ToolCallStream, whole_output
 
 QWEN_TWO_CALLS = (
@@ -123,3 +123,15 @@ def test_call_grammars_compile_and_match_the_parser(fmt, optional):
     functions = [{"name": "get_weather", "parameters": {"type": "object"}}]
     grammar = LLMatcher.grammar_from_lark(call_grammar(fmt, functions, True, optional))
     assert LLMatcher.validate_grammar(grammar) == ""
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_text_grammars_compile_and_are_the_call_grammars_text(fmt):
+    # tool_choice "none" with the tools still shown: the text an optional call's grammar
+    # allows, and nothing else.
+    from llguidance import LLMatcher
+
+    grammar = text_grammar(fmt)
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)) == ""
+    text_rule = grammar.splitlines()[1]
+    assert text_rule in call_grammar(fmt, [{"name": "f"}], False, optional=True)

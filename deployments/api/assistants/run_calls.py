@@ -28,14 +28,18 @@ def shown_tools(run: dict, continuing: bool) -> tuple[list[dict] | None, str | T
     """The run's functions as chat templates take them (None: the model is shown none)
     and the ChatTurn's tool_choice. A call the run's tool_choice forces ("required", a
     named function) is forced once: the generation after its outputs responds to the
-    user, with no functions shown (OpenAI's "must call one or more tools before
-    responding to the user"; a small model shown them again calls them again)."""
+    user, and may call nothing (OpenAI's "must call one or more tools before responding
+    to the user"; a small model free to call again calls again). The functions stay in
+    the prompt whatever the choice: the thread's context then extends by the new turn
+    alone, where showing and hiding them would change its head, and recompute it all."""
     choice = run.get("tool_choice") or "auto"
     forced = choice == "required" or (isinstance(choice, dict) and choice["type"] == "function")
     functions = [t for t in run["tools"] if t["type"] == "function"]
-    if choice == "none" or not functions or (forced and continuing):
+    if not functions:
         return None, "auto"
     shown = [{"type": "function", "function": t["function"]} for t in functions]
+    if choice == "none" or (forced and continuing):
+        return shown, "none"
     if continuing or not forced:
         return shown, "auto"
     if choice == "required":
