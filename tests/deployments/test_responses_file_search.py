@@ -162,3 +162,31 @@ def test_an_expired_store_is_refused_by_every_search(served):
         return errors
 
     assert all("has expired" in m for m in scenario(served, body))
+
+
+def test_a_conversation_keeps_what_its_search_showed_the_model(served):
+    # The conversation stored the turn's message as the user wrote it, without the
+    # excerpts the model was shown: every later turn rendered a different history, and
+    # its context was computed again from the first search on.
+    async def body(client, store_id):  # noqa: ANN001, ANN202
+        conv = await client.conversations.create()
+        turns = []
+        for text in (QUESTION, "And what do worker bees make?"):
+            turns.append(
+                await client.responses.create(
+                    model=MODEL,
+                    input=text,
+                    conversation=conv.id,
+                    tools=[_tool(store_id)],
+                    temperature=0,
+                    max_output_tokens=8,
+                )
+            )
+        items = await client.conversations.items.list(conv.id, order="asc")
+        return turns, items.data
+
+    (first, second), items = scenario(served, body)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    users = [i for i in items if i.type == "message" and i.role == "user"]
+    assert [u.content[0].text for u in users] == [QUESTION, "And what do worker bees make?"]
+    assert [i.type for i in items].count("file_search_call") == 0  # as before: not an item

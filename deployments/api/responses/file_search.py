@@ -43,18 +43,24 @@ def _text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
+def turn_message(messages: list[dict]) -> dict:
+    """The last user message of `messages`: the one a search is for."""
+    users = [m for m in messages if m.get("role") == "user"]
+    if not users:
+        raise InvalidRequestError("file_search needs a user message to search for", "input")
+    return users[-1]
+
+
 async def search_turn(
     retrieval: Any, tool: Any, messages: list[dict], include: list[str] | None, who: Caller
 ) -> Searched:
     """Search for the last user message of `messages` (the turn's own), and put what was
-    found into it (in place: the stored turn keeps what the model was shown, so the
-    chain's context is reused by the next turn)."""
+    found into it (in place: the stored turn, or its conversation's item, keeps what the
+    model was shown, so the next turn renders the same history and its context extends)."""
     retrieval = retrieval_needed(retrieval)
-    users = [m for m in messages if m.get("role") == "user"]
-    if not users:
-        raise InvalidRequestError("file_search needs a user message to search for", "input")
+    message = turn_message(messages)
     await retrieval.usable(tool.vector_store_ids, who)
-    query = _text(users[-1]["content"])
+    query = _text(message["content"])
     ranking = tool.ranking_options
     found = await retrieval.search(
         tool.vector_store_ids,
@@ -64,7 +70,7 @@ async def search_turn(
         hybrid=ranking is None or ranking.ranker != "none",
         filters=tool.filters,
     )
-    users[-1]["content"] = with_excerpts(found, query)
+    message["content"] = with_excerpts(found, query)
     results = None
     if RESULTS_INCLUDE in (include or []):
         results = [

@@ -27,7 +27,7 @@ from app.text.reasoning import ReasoningFormat
 from deployments.api.responses import conversation_store
 from deployments.api.responses.conversation_store import ConversationStore, Joined
 from deployments.api.responses.events import error_event, response_events
-from deployments.api.responses.file_search import search_turn
+from deployments.api.responses.file_search import search_turn, turn_message
 from deployments.api.responses.item_messages import input_new_items, listed_item
 from deployments.api.responses.schema import ResponsesRequest
 from deployments.api.responses.store import Entry, ResponseStore
@@ -92,7 +92,12 @@ async def create(
     searched = None
     if (tool := req.file_search()) is not None:
         retrieval = getattr(request.app.state, "retrieval", None)
-        searched = await search_turn(retrieval, tool, new_messages, req.include, who)
+        # The turn's own messages: in a conversation, its new items' fragments, which
+        # are stored as the model is shown them (and the prompt's copy of them follows).
+        own = new_messages if joined is None else [new.message for new in joined.items]
+        searched = await search_turn(retrieval, tool, own, req.include, who)
+        if joined is not None:
+            turn_message(new_messages)["content"] = turn_message(own)["content"]
     lead = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = ChatTurn(
         name,
