@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from app.protocol.errors import ConflictError, InvalidRequestError
 from deployments.http.caller import Caller
 from deployments.state.base import new_id, now
-from deployments.state.database import find
+from deployments.state.database import find, take_turns
 from deployments.state.files import StoredFile, VectorStore, VectorStoreFile
 
 DAY_S = 86_400
@@ -56,11 +56,16 @@ def queue_files(
 ) -> list[VectorStoreFile]:
     """Queue these files (each `{"file_id", "chunking", "attributes"?}`) in the store,
     for the ingestor; a file already there is left as it is. 404 for a file `who` may
-    not see, 409 past `max_files` in the store."""
+    not see, 409 past `max_files` in the store. Batches racing into one store take
+    turns: the store's own row is written first (on SQLite, that takes the write lock),
+    so each reads what the others queued and none passes the limit with another."""
     ids = [e["file_id"] for e in entries]
     for file_id in ids:
         find(s, StoredFile, file_id, who)
-    held = s.scalar(select(func.count()).where(VectorStoreFile.store_id == store.id)) or 0
+    take_turns(s, f"vector_store:{store.id}")
+    store.last_active_at = now()
+    expiry(store)
+    s.flush()
     there = {
         r.file_id: r
         for r in s.scalars(
@@ -69,12 +74,7 @@ def queue_files(
             )
         )
     }
-    new = {e["file_id"] for e in entries} - set(there)
-    if held + len(new) > max_files:
-        raise ConflictError(
-            f"a vector store holds at most {max_files:,} files; {store.id} holds {held:,}"
-        )
-    rows = []
+    rows, added = [], 0
     for e in entries:
         row = there.get(e["file_id"])
         if row is None:
@@ -90,10 +90,16 @@ def queue_files(
             )
             s.add(row)
             there[e["file_id"]] = row
+            added += 1
         rows.append(row)
+    s.flush()
+    held = s.scalar(select(func.count()).where(VectorStoreFile.store_id == store.id)) or 0
+    if held > max_files:  # the transaction is undone: none of these files is queued
+        raise ConflictError(
+            f"a vector store holds at most {max_files:,} files; {store.id} holds {held - added:,}"
+        )
     store.last_active_at = now()
     expiry(store)
-    s.flush()
     return rows
 
 

@@ -4,6 +4,7 @@ the ingress's event loop never waits on I/O). Only the store (store.py) calls it
 """
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -112,6 +113,17 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def take_turns(s: Session, name: str) -> None:
+    """Transactions that name the same thing run one after another from here to their
+    end: PostgreSQL's advisory lock for this transaction. SQLite needs none: its first
+    write takes the file's one write lock, so a check written after a write (insert,
+    then count) sees every transaction committed before it."""
+    if s.get_bind().dialect.name == "postgresql":
+        digest = hashlib.sha256(name.encode()).digest()
+        key = int.from_bytes(digest[:8], "big", signed=True)
+        s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
 
 
 def visible(model: type, viewer: "Caller | None") -> list:

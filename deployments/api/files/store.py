@@ -13,7 +13,6 @@ as a 404 and is deleted, row and bytes, by the next upload or list.
 """
 
 import asyncio
-import hashlib
 import logging
 import os
 import re
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import ConflictError, InvalidRequestError, NotFoundError, ShoalError
@@ -37,7 +36,7 @@ from deployments.retrieval.extract import (
     media_type_of,
 )
 from deployments.state.base import now
-from deployments.state.database import Database, find, page
+from deployments.state.database import Database, find, page, take_turns
 from deployments.state.files import StoredFile
 
 logger = logging.getLogger("ray.serve")
@@ -233,8 +232,7 @@ class FilesStore:
         transaction is undone. On SQLite the insert takes the one write lock first, so
         the sum sees every committed upload; on PostgreSQL one owner's uploads take turns
         under an advisory lock to the same end."""
-        if s.get_bind().dialect.name == "postgresql":
-            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _lock_key(row.owner)})
+        take_turns(s, f"files:{row.owner}")
         s.add(row)
         s.flush()
         total = s.scalar(select(func.sum(StoredFile.bytes)).where(StoredFile.owner == row.owner))
@@ -270,11 +268,6 @@ def _find(s: Session, file_id: str, who: Caller | None) -> StoredFile:
     if row.expires_at is not None and row.expires_at <= now():
         raise NotFoundError(f"No file found with id '{file_id}'.")
     return row
-
-
-def _lock_key(owner: str | None) -> int:
-    digest = hashlib.sha256(f"files:{owner}".encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def _sync(out: IO[Any]) -> None:

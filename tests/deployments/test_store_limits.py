@@ -1,0 +1,83 @@
+"""A vector store's file limit holds against batches that race into it: the second
+batch's transaction waits for the first's and counts its files (SQLite's write lock;
+PostgreSQL's advisory lock, deployments/state/database.py `take_turns`)."""
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.protocol.errors import ConflictError
+from deployments.retrieval.stores import new_store, queue_files
+from deployments.state.database import Database
+from deployments.state.files import StoredFile, VectorStore, VectorStoreFile
+from tests.postgres import postgres_server, unavailable
+
+NO_POSTGRES = unavailable()
+
+
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param(
+            "postgresql",
+            marks=[
+                pytest.mark.skipif(NO_POSTGRES is not None, reason=str(NO_POSTGRES)),
+                pytest.mark.live,
+            ],
+        ),
+    ]
+)
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'app.sqlite3'}"
+        return
+    with postgres_server() as pg:
+        yield pg
+
+
+def test_a_batch_racing_another_into_a_store_cannot_pass_its_limit(url):
+    # The limit was counted before the batch's rows were written: a second batch read
+    # the count while the first was still writing, and both got in (6 files of 4).
+    db = Database(url)
+    try:
+        with Session(db.engine) as s, s.begin():
+            store_id = new_store(s, None, name="full").id
+            for i in range(6):
+                s.add(
+                    StoredFile(
+                        id=f"file-{i}",
+                        filename="f",
+                        purpose="assistants",
+                        bytes=1,
+                        media_type="text/plain",
+                    )
+                )
+        outcome: dict[str, object] = {}
+
+        def second() -> None:
+            try:
+                with Session(db.engine) as s, s.begin():
+                    store = s.scalar(select(VectorStore).filter_by(id=store_id))
+                    queue_files(
+                        s, store, [{"file_id": f"file-{i}"} for i in (3, 4, 5)], None, None, 4
+                    )
+                outcome["second"] = "queued"
+            except ConflictError as exc:
+                outcome["second"] = exc
+
+        with Session(db.engine) as s, s.begin():
+            store = s.scalar(select(VectorStore).filter_by(id=store_id))
+            queue_files(s, store, [{"file_id": f"file-{i}"} for i in (0, 1, 2)], None, None, 4)
+            racer = threading.Thread(target=second)
+            racer.start()
+            time.sleep(0.5)  # the second batch reaches its count while this one is open
+        racer.join(timeout=10)
+        with Session(db.engine) as s:
+            held = s.scalar(select(func.count()).select_from(VectorStoreFile))
+    finally:
+        db.close()
+    assert isinstance(outcome.get("second"), ConflictError), outcome
+    assert held == 3
