@@ -113,6 +113,10 @@ class EngineRegistry:
 RegistryDeployment = serve.deployment(EngineRegistry, name="EngineRegistry")
 
 
+# The second KV tier's figures (app/engine/kv_tier.py), as /metrics shows them.
+TIER_FIGURES = ("kv_tier_hit_tokens", "kv_tier_bytes", "kv_tier_read_s", "kv_tier_write_s")
+
+
 def runtime_info(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> dict:
     """What a heartbeat carries, from the engine's stats (tokens/s since the last one)."""
     generated = stats["num_generated_tokens"]
@@ -127,4 +131,5 @@ def runtime_info(stats: dict[str, Any], previous: dict[str, Any] | None, dt: flo
         "kv_usage": stats["kv_usage"],
         "num_contexts": stats["num_contexts"],
         "tokens_per_s": round(rate, 1),
+        **{key: stats.get(key, 0) for key in TIER_FIGURES},
     }

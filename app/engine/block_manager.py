@@ -9,13 +9,19 @@ Invariants:
 - only full blocks whose KV has been computed are registered;
 - `_num_cached == number of free blocks with a hash`, kept as blocks move in and out of
   `_free` (a block gets a hash only while referenced and loses it only when reallocated),
-  so that stats cost nothing per step.
+  so that stats cost nothing per step;
+- with a `tier` (app/engine/kv_tier.py), a cached block's KV goes there when its block is
+  reallocated, and a prefix the cache no longer holds is looked up there next.
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from app.engine.kv_tier import KVTier
 
 
 @dataclass
@@ -54,7 +60,9 @@ class BlockManager:
     blocks: list[Block] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)
     _by_hash: dict[int, int] = field(init=False)
+    tier: "KVTier | None" = None
     prefix_hit_tokens: int = field(init=False, default=0)
+    tier_hit_tokens: int = field(init=False, default=0)
     prefix_query_tokens: int = field(init=False, default=0)
     _num_cached: int = field(init=False, default=0)
 
@@ -94,7 +102,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         prev: int | None = None
-        for i in range(max_blocks):
+        i = 0
+        while i < max_blocks:
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(prev, tokens)
             block_id = self._by_hash.get(h)
@@ -104,9 +113,45 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             prev = h
+            i += 1
+        hits = i * self.block_size
+        if self.tier is not None and i < max_blocks:
+            self._load_from_tier(seq, i, max_blocks, prev)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        self.prefix_hit_tokens += seq.num_computed_tokens
+        self.prefix_hit_tokens += hits
+        self.tier_hit_tokens += seq.num_computed_tokens - hits
+
+    def _load_from_tier(self, seq: Sequence, start: int, stop: int, prev: int | None) -> None:
+        """The blocks of `seq`'s prompt from block `start` on that the tier holds, read
+        back into fresh blocks while there are free ones (each then a cached prefix like
+        any computed block)."""
+        tier = self.tier
+        assert tier is not None
+        hashes: list[int] = []
+        for i in range(start, stop):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(prev, tokens)
+            if not tier.holds(h, tokens) or len(self._free) <= len(hashes):
+                break
+            hashes.append(h)
+            prev = h
+        if not hashes:
+            return
+        kv = tier.fetch(hashes)  # first: taking fresh blocks may change what the tier holds
+        fresh = [self._allocate_fresh() for _ in hashes]
+        tier.install(fresh, kv)
+        for n, (h, block_id) in enumerate(zip(hashes, fresh, strict=True)):
+            i = start + n
+            block = self.blocks[block_id]
+            if h not in self._by_hash:
+                block.hash = h
+                block.token_ids = tuple(
+                    seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+                )
+                self._by_hash[h] = block_id
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
 
     # ---- growth -------------------------------------------------------------------
     def blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -185,6 +230,8 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
+            if self.tier is not None:  # its KV outlives the block, one tier down
+                self.tier.save(block_id, block.hash, block.token_ids)
             self._num_cached -= 1
             if self._by_hash.get(block.hash) == block_id:
                 del self._by_hash[block.hash]

@@ -64,6 +64,18 @@ class EngineConfig(BaseModel):
         None, ge=1, description="None: the model's own context length."
     )
     enable_prefix_caching: bool = True
+    kv_offload: Literal["auto", "off", "memory", "disk"] = Field(
+        "auto",
+        description="A second KV tier (app/engine/kv_tier.py): cached prefix blocks (idle "
+        "contexts' included) that the cache reallocates keep their KV there, and are read "
+        "back instead of computed. 'memory': host RAM; 'disk': a file in kv_offload_dir; "
+        "'auto': the disk on a CPU (whose RAM is already the cache; bench/warm_state.py), "
+        "off on a GPU until measured there. Needs prefix caching and one shard.",
+    )
+    kv_offload_gib: float = Field(4.0, ge=0, description="The second tier's size.")
+    kv_offload_dir: str | None = Field(
+        None, description="Where a disk tier's file goes (unlinked once open); None: the temp dir."
+    )
     max_contexts: int = Field(
         1024,
         ge=1,

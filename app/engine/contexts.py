@@ -13,7 +13,8 @@ Bounded state, so that no client can wedge a replica with contexts it abandons:
 - **Eviction.** An idle context is a cache, not a reservation: when running or waiting
   requests need blocks, the least recently used idle contexts give up their KV
   (`evict_kv`). They keep their tokens, and their next primitive recomputes them (blocks
-  that were not reused since are found again in the prefix cache). So does a busy context
+  that were not reused since are found again in the prefix cache, and reused ones in
+  the second KV tier where there is one: app/engine/kv_tier.py). So does a busy context
   whose primitive is still waiting (not yet admitted, or preempted): its sequence gives up
   its references too. Else contexts whose primitives all wait could hold every block,
   and nothing could ever run again.

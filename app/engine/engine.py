@@ -19,6 +19,7 @@ from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.contexts import ContextStore
 from app.engine.grammar import GrammarBackend, StepMasks
+from app.engine.kv_tier import open_tier
 from app.engine.model_runner import load_runner
 from app.engine.requests import RequestTable, delta
 from app.engine.sampler import Sampler
@@ -56,6 +57,7 @@ class LLMEngine:
         self.arch = self.loaded.arch
         self.max_model_len = self.loaded.max_model_len
         bm = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        bm.tier = self.tier = open_tier(config, self.runner, tp)
         self.block_manager = bm
         self.contexts = ContextStore(bm, config.max_contexts, config.max_context_tokens)
         self.scheduler = Scheduler(

@@ -190,6 +190,10 @@ class Scheduler:
                 too_wide.append(seq)
                 continue
             if not seq.block_table:
+                if bm.tier is not None:  # room first, for what the tier can give back
+                    short = bm.blocks_needed(seq.num_tokens) - bm.num_free_blocks
+                    if short > 0:
+                        self.reclaim(short, seq)
                 bm.allocate_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_append(seq, n):

@@ -38,6 +38,12 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
+    kv_tier_blocks: int = 0  # blocks the second tier holds (app/engine/kv_tier.py)
+    kv_tier_bytes: int = 0
+    kv_tier_hit_tokens: int = 0  # prompt tokens read back from it instead of computed
+    kv_tier_saved_blocks: int = 0  # blocks written to it, all time
+    kv_tier_read_s: float = 0.0
+    kv_tier_write_s: float = 0.0
     num_prompt_tokens: int = 0  # prompt tokens computed (prefilled), all steps
     num_generated_tokens: int = 0
     last_step_time_s: float = 0.0
@@ -83,6 +89,13 @@ class EngineStats:
         self.num_preemptions = scheduler.num_preemptions
         self.prefix_cache_hit_tokens = bm.prefix_hit_tokens
         self.prefix_cache_query_tokens = bm.prefix_query_tokens
+        tier = block_manager.tier
+        if tier is not None:
+            t = tier.stats
+            self.kv_tier_blocks, self.kv_tier_bytes = t.held_blocks, t.held_bytes
+            self.kv_tier_hit_tokens = block_manager.tier_hit_tokens
+            self.kv_tier_saved_blocks = t.saved_blocks
+            self.kv_tier_read_s, self.kv_tier_write_s = t.read_s, t.write_s
 
 
 def num_prefill_tokens(batch: "ScheduledBatch") -> int:

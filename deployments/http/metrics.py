@@ -38,11 +38,30 @@ class IngressMetrics:
         self.kv_usage = Gauge(
             "shoal_kv_cache_usage_ratio", "KV blocks in use / total", labels, registry=r
         )
+        # The second KV tier: totals since the replica started (gauges: they come with the
+        # heartbeats, and a replica that restarts starts them again).
+        self.tier = {
+            "kv_tier_hit_tokens": Gauge(
+                "shoal_kv_tier_hit_tokens",
+                "Prompt tokens read back from the second KV tier instead of computed",
+                labels,
+                registry=r,
+            ),
+            "kv_tier_bytes": Gauge(
+                "shoal_kv_tier_bytes", "Bytes of KV the second tier holds", labels, registry=r
+            ),
+            "kv_tier_read_s": Gauge(
+                "shoal_kv_tier_read_seconds", "Time reading KV back from it", labels, registry=r
+            ),
+            "kv_tier_write_s": Gauge(
+                "shoal_kv_tier_write_seconds", "Time writing KV to it", labels, registry=r
+            ),
+        }
 
     def set_replicas(self, engines: list[dict]) -> None:
         """Every live replica's figures, from the registry's last heartbeats; replicas that
         are gone leave the gauges."""
-        for gauge in (self.running, self.waiting, self.kv_usage):
+        for gauge in (self.running, self.waiting, self.kv_usage, *self.tier.values()):
             gauge.clear()
         for engine in engines:
             info = engine["runtime_info"]
@@ -53,6 +72,8 @@ class IngressMetrics:
             self.running.labels(*labels).set(info.get("num_running", 0))
             self.waiting.labels(*labels).set(info.get("num_waiting", 0))
             self.kv_usage.labels(*labels).set(info.get("kv_usage", 0.0))
+            for key, gauge in self.tier.items():
+                gauge.labels(*labels).set(info.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
