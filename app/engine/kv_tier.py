@@ -85,7 +85,7 @@ class KVTier:
             path = Path(directory) / f"shoal-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
             numel = slots * len(k_caches) * 2 * first[0].numel()
             mapped = torch.from_file(str(path), shared=True, size=numel, dtype=first.dtype)
-            path.unlink()  # the mapping stays; the name goes now
+            path.unlink(missing_ok=True)  # the mapping stays; the name goes now (none: size 0)
             self.slots = mapped.view(shape)
             self.where = str(directory)
         self._held: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # LRU first
