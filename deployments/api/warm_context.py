@@ -17,7 +17,7 @@ append fails, and the turn rebuilds.
 import asyncio
 import logging
 
-from app.protocol.errors import ShoalError
+from app.protocol.errors import ContextLengthExceededError, ShoalError
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.sampling import SamplingParams
 from app.text.reasoning import ReasoningFormat
@@ -57,6 +57,11 @@ async def generate_in_context(
             why = exc.message  # the refused append may have left a dropped one's mark
     else:
         why = _why_rebuilt(held)
+    # A rebuild drops the old copy first: a turn that can never run must not cost the
+    # conversation its context (the engine would refuse it only after the drop).
+    limit = (await ingress.info(model)).max_model_len
+    if len(prompt_ids) + params.max_tokens > limit:
+        raise ContextLengthExceededError(len(prompt_ids), params.max_tokens, limit)
     logger.info("context %s: rebuilding it (%d tokens): %s", cid, len(prompt_ids), why)
     op = ContextOp(cid, ContextAction.GENERATE, expected_tokens=0)
     for attempt in range(2):

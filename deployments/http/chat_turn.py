@@ -92,14 +92,16 @@ async def prepare(ingress: Ingress, turn: ChatTurn) -> PreparedTurn:
     """Render the turn and decide its output's constraint (see the module's docstring)."""
     args = turn.template_args
     fmt = ingress.tool_format(turn.model, args) if turn.tools else None
-    constraint = turn.constraint
-    if fmt is not None and turn.forbids_call:
-        if constraint is None:  # text that holds no call's marker
+    constraint, tools = turn.constraint, turn.tools
+    if turn.forbids_call:
+        if fmt is None:  # a model that cannot be shown tools is shown none
+            tools = None
+        elif constraint is None:  # text that holds no call's marker
             constraint = Constraint(kind="lark", spec=text_grammar(fmt))
         fmt = None  # nothing of the answer is read as a call
     elif fmt is not None and (turn.forces_call or constraint is None):
         constraint = turn.tool_constraint(fmt)  # first: tools too many to constrain cost no render
-    ids = await ingress.encode_chat(turn.model, turn.messages, turn.tools, turn.ending, args)
+    ids = await ingress.encode_chat(turn.model, turn.messages, tools, turn.ending, args)
     reasoning = ingress.reasoning(turn.model, ids, args)
     if reasoning is not None and constraint is not None:
         constraint = thinking_first(reasoning, constraint)

@@ -19,7 +19,7 @@ from deployments.retrieval.fusion import fuse
 from deployments.retrieval.index import Index, open_index
 from deployments.retrieval.ingest import Ingestor
 from deployments.retrieval.lexical import LexicalIndex
-from deployments.retrieval.stores import in_use, new_store, pending, queue_files
+from deployments.retrieval.stores import in_use, new_store, pending, queue_files, touch
 from deployments.state.database import Database, find
 from deployments.state.files import Chunk, StoredFile, VectorStore, VectorStoreFile
 
@@ -106,7 +106,7 @@ class Retrieval:
         hybrid: bool,
         filters: dict | None,
     ) -> list[Found]:
-        in_use(s, store_ids)
+        stale = in_use(s, store_ids)
         near = self.index.search(s, store_ids, vector, want)
         scores = dict(near)
         order = [seq for seq, _ in near]
@@ -119,6 +119,7 @@ class Retrieval:
         found = self._found(s, picked, scores)
         if filters is not None:
             found = [f for f in found if matches(filters, f.attributes)]
+        touch(stale)  # last: the write lock from here to the commit only
         return found[:k]
 
     @staticmethod

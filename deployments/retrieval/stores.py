@@ -2,7 +2,7 @@
 Assistants thread does when its messages bring files (OpenAI makes the thread a store of
 its own). One unit of work each, on a session the caller holds."""
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from app.protocol.errors import ConflictError, InvalidRequestError
@@ -21,18 +21,29 @@ def expiry(store: VectorStore) -> None:
     store.expires_at = None if not after else store.last_active_at + after["days"] * DAY_S
 
 
-def in_use(s: Session, store_ids: list[str]) -> None:
-    """Stores a search is about to read: an expired one is a 400, as OpenAI's (a run on a
-    thread whose store expired fails until a new store is attached); the others' last
-    use moves to now, which pushes their expiry on. At most once a minute a store: a
-    search should not be a write each time."""
-    stamp = now()
-    for store in s.scalars(select(VectorStore).where(VectorStore.id.in_(store_ids))):
-        if store.expires_at is not None and store.expires_at <= stamp:
-            raise InvalidRequestError(f"vector store {store.id} has expired", "vector_store_id")
-        if stamp - store.last_active_at >= TOUCH_EVERY_S:
-            store.last_active_at = stamp
-            expiry(store)
+def live(store: VectorStore) -> None:
+    """400 for a store past its expiry, as OpenAI's: searching it (a run on a thread
+    whose store expired fails until a new store is attached) or adding files to it."""
+    if store.expires_at is not None and store.expires_at <= now():
+        raise InvalidRequestError(f"vector store {store.id} has expired", "vector_store_id")
+
+
+def in_use(s: Session, store_ids: list[str]) -> list[VectorStore]:
+    """Stores a search is about to read: 400 for an expired one. Returns those whose
+    last use should move to now (`touch`, after the search's reads: on SQLite a write
+    holds the database's one write lock until the commit); at most once a minute a
+    store, so that a search is seldom a write."""
+    stores = list(s.scalars(select(VectorStore).where(VectorStore.id.in_(store_ids))))
+    for store in stores:
+        live(store)
+    return [store for store in stores if now() - store.last_active_at >= TOUCH_EVERY_S]
+
+
+def touch(stores: list[VectorStore]) -> None:
+    """Their last use is now, which pushes their expiry on."""
+    for store in stores:
+        store.last_active_at = now()
+        expiry(store)
 
 
 def new_store(s: Session, who: Caller | None, **fields: object) -> VectorStore:
@@ -56,16 +67,19 @@ def queue_files(
 ) -> list[VectorStoreFile]:
     """Queue these files (each `{"file_id", "chunking", "attributes"?}`) in the store,
     for the ingestor; a file already there is left as it is. 404 for a file `who` may
-    not see, 409 past `max_files` in the store. Batches racing into one store take
-    turns: the store's own row is written first (on SQLite, that takes the write lock),
-    so each reads what the others queued and none passes the limit with another."""
+    not see, 409 past `max_files` in the store, 400 when it has expired. Batches racing
+    into one store take turns: the store's own row is written first, always (on SQLite
+    that takes the write lock), so each reads what the others queued, and none passes
+    the limit with another or adds a file another is adding."""
+    live(store)
     ids = [e["file_id"] for e in entries]
     for file_id in ids:
         find(s, StoredFile, file_id, who)
     take_turns(s, f"vector_store:{store.id}")
-    store.last_active_at = now()
+    stamp = now()  # an UPDATE statement writes even when the value is the same
+    s.execute(update(VectorStore).where(VectorStore.id == store.id).values(last_active_at=stamp))
+    store.last_active_at = stamp
     expiry(store)
-    s.flush()
     there = {
         r.file_id: r
         for r in s.scalars(

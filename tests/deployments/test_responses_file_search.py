@@ -190,3 +190,32 @@ def test_a_conversation_keeps_what_its_search_showed_the_model(served):
     users = [i for i in items if i.type == "message" and i.role == "user"]
     assert [u.content[0].text for u in users] == [QUESTION, "And what do worker bees make?"]
     assert [i.type for i in items].count("file_search_call") == 0  # as before: not an item
+
+
+def test_a_turn_of_function_outputs_searches_nothing(served):
+    # A turn that brings only a function's output has no user message of its own: it
+    # was refused (400), though the earlier turn's excerpts are in its context still.
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+    async def body(client, store_id):  # noqa: ANN001, ANN202
+        tools = [_tool(store_id), weather]
+        first = await client.responses.create(
+            model=MODEL,
+            input=QUESTION,
+            tools=tools,
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=24,
+        )
+        call = next(i for i in first.output if i.type == "function_call")
+        output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        conv = await client.conversations.create(items=[{"role": "user", "content": QUESTION}])
+        return [
+            await client.responses.create(
+                model=MODEL, input=[output], tools=tools, max_output_tokens=4, **where
+            )
+            for where in ({"previous_response_id": first.id}, {"conversation": conv.id})
+        ]
+
+    for later in scenario(served, body):
+        assert later.status in ("completed", "incomplete")
+        assert [i.type for i in later.output][:1] != ["file_search_call"]

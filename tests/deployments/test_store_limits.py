@@ -81,3 +81,45 @@ def test_a_batch_racing_another_into_a_store_cannot_pass_its_limit(url):
         db.close()
     assert isinstance(outcome.get("second"), ConflictError), outcome
     assert held == 3
+
+
+def test_two_adds_of_one_file_racing_into_a_store_leave_one_row(url):
+    # The store's row was written with the ORM, which writes nothing when the value is
+    # the same (its last use in this same second): the second add read no row, waited
+    # on the first's lock only at its insert, and failed on the unique key (a 500).
+    db = Database(url)
+    try:
+        with Session(db.engine) as s, s.begin():
+            store_id = new_store(s, None, name="one").id
+            s.add(
+                StoredFile(
+                    id="file-f",
+                    filename="f",
+                    purpose="assistants",
+                    bytes=1,
+                    media_type="text/plain",
+                )
+            )
+        outcome: dict[str, object] = {}
+
+        def second() -> None:
+            try:
+                with Session(db.engine) as s, s.begin():
+                    store = s.scalar(select(VectorStore).filter_by(id=store_id))
+                    queue_files(s, store, [{"file_id": "file-f"}], None, None, 10)
+                outcome["second"] = "queued"
+            except Exception as exc:  # noqa: BLE001
+                outcome["second"] = exc
+
+        with Session(db.engine) as s, s.begin():
+            store = s.scalar(select(VectorStore).filter_by(id=store_id))
+            queue_files(s, store, [{"file_id": "file-f"}], None, None, 10)
+            racer = threading.Thread(target=second)
+            racer.start()
+            time.sleep(0.5)
+        racer.join(timeout=10)
+        with Session(db.engine) as s:
+            held = s.scalar(select(func.count()).select_from(VectorStoreFile))
+    finally:
+        db.close()
+    assert outcome.get("second") == "queued" and held == 1, outcome

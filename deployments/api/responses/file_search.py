@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from app.protocol.errors import InvalidRequestError
 from deployments.http.caller import Caller
 from deployments.retrieval.excerpts import response_citations, with_excerpts
 from deployments.retrieval.service import Found, retrieval_needed
@@ -43,23 +42,24 @@ def _text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
-def turn_message(messages: list[dict]) -> dict:
-    """The last user message of `messages`: the one a search is for."""
-    users = [m for m in messages if m.get("role") == "user"]
-    if not users:
-        raise InvalidRequestError("file_search needs a user message to search for", "input")
-    return users[-1]
+def turn_message(messages: list[dict]) -> dict | None:
+    """The last user message of `messages`: the one a search is for (None: none)."""
+    return next((m for m in reversed(messages) if m.get("role") == "user"), None)
 
 
 async def search_turn(
     retrieval: Any, tool: Any, messages: list[dict], include: list[str] | None, who: Caller
-) -> Searched:
+) -> Searched | None:
     """Search for the last user message of `messages` (the turn's own), and put what was
     found into it (in place: the stored turn, or its conversation's item, keeps what the
-    model was shown, so the next turn renders the same history and its context extends)."""
+    model was shown, so the next turn renders the same history and its context extends).
+    None: the turn brings no user message (function outputs), nothing new to search for;
+    what earlier turns found is in the context still."""
     retrieval = retrieval_needed(retrieval)
-    message = turn_message(messages)
     await retrieval.usable(tool.vector_store_ids, who)
+    message = turn_message(messages)
+    if message is None:
+        return None
     query = _text(message["content"])
     ranking = tool.ranking_options
     found = await retrieval.search(

@@ -96,8 +96,10 @@ async def create(
         # are stored as the model is shown them (and the prompt's copy of them follows).
         own = new_messages if joined is None else [new.message for new in joined.items]
         searched = await search_turn(retrieval, tool, own, req.include, who)
-        if joined is not None:
-            turn_message(new_messages)["content"] = turn_message(own)["content"]
+        if joined is not None and searched is not None:
+            shown, mine = turn_message(new_messages), turn_message(own)
+            assert shown is not None and mine is not None  # own's are new_messages' last
+            shown["content"] = mine["content"]
     lead = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = ChatTurn(
         name,
