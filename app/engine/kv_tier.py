@@ -29,6 +29,7 @@ import os
 import tempfile
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from app.models.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
+RESERVE_SLOTS = 64  # a file tier's slots reserved on the disk at a time
 
 
 @dataclass
@@ -71,6 +73,7 @@ class KVTier:
         """`k_caches`, `v_caches`: the runner's cache tensors, one per layer, each
         (blocks, *block shape); the tier copies blocks out of them and back."""
         self.k_caches, self.v_caches = k_caches, v_caches
+        self._fd: int | None = None
         first = k_caches[0]
         block = tuple(first.shape[1:])
         self.bytes_per_block = 2 * len(k_caches) * first[0].numel() * first.element_size()
@@ -85,11 +88,15 @@ class KVTier:
             path = Path(directory) / f"shoal-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
             numel = slots * len(k_caches) * 2 * first[0].numel()
             mapped = torch.from_file(str(path), shared=True, size=numel, dtype=first.dtype)
+            if slots:  # a descriptor of its own, to reserve the file's bytes as it grows
+                self._fd = os.open(path, os.O_RDWR)
+                weakref.finalize(self, os.close, self._fd)
             path.unlink(missing_ok=True)  # the mapping stays; the name goes now (none: size 0)
             self.slots = mapped.view(shape)
             self.where = str(directory)
         self._held: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # LRU first
-        self._free = list(range(slots))
+        self._fresh = 0  # slots from here on were never written
+        self._reserved = 0  # slots whose bytes the disk holds for the file (a file tier)
         self.stats = TierStats(capacity_blocks=slots, bytes_per_block=self.bytes_per_block)
 
     def __len__(self) -> int:
@@ -103,9 +110,10 @@ class KVTier:
             self._held.move_to_end(block_hash)  # the same tokens' KV: the same bytes
             return
         started = time.perf_counter()
-        if self._free:
-            slot = self._free.pop()
-        else:
+        slot = self._new_slot()
+        if slot is None:
+            if not self._held:
+                return
             _, (slot, _) = self._held.popitem(last=False)
             self.stats.dropped_blocks += 1
         target = self.slots[slot]
@@ -118,6 +126,31 @@ class KVTier:
         self.stats.saved_blocks += 1
         self.stats.held_blocks = len(self._held)
         self.stats.write_s += time.perf_counter() - started
+
+    def _new_slot(self) -> int | None:
+        """A slot never written, None when all were. A file tier's slots get their bytes
+        on the disk first, a chunk at a time (`posix_fallocate`): a write into a sparse
+        file's hole on a full disk would kill the process (SIGBUS). A disk that has no
+        more room leaves the tier the slots it has."""
+        if self._fresh >= self.stats.capacity_blocks:
+            return None
+        if self._fd is not None and self._fresh >= self._reserved:
+            chunk = min(RESERVE_SLOTS, self.stats.capacity_blocks - self._reserved)
+            try:
+                os.posix_fallocate(
+                    self._fd, self._reserved * self.bytes_per_block, chunk * self.bytes_per_block
+                )
+            except OSError as exc:
+                logger.warning(
+                    "KV offload: the disk has no room for more (%s); keeping %d blocks",
+                    exc,
+                    self._reserved,
+                )
+                self.stats.capacity_blocks = self._reserved
+                return None
+            self._reserved += chunk
+        self._fresh += 1
+        return self._fresh - 1
 
     def holds(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
         held = self._held.get(block_hash)

@@ -104,3 +104,30 @@ def test_contexts_over_committed_4x_read_back_from_the_tier_exactly(tiny_llama):
     # What the tier gave back was not computed again.
     assert stats["num_prompt_tokens"] + stats["kv_tier_hit_tokens"] == plain["num_prompt_tokens"]
     assert stats["num_prompt_tokens"] < plain["num_prompt_tokens"] / 2, (stats, plain)
+
+
+def test_a_disk_tier_reserves_its_bytes_and_stops_growing_when_the_disk_is_full(
+    tmp_path, monkeypatch
+):
+    # Its file was sparse: a write into a hole on a full disk kills the process (SIGBUS).
+    import errno
+    import os
+
+    from app.engine import kv_tier
+
+    k, v = _caches(2)
+    tier = KVTier(k, v, capacity_bytes=10**6, directory=tmp_path)
+    calls = []
+
+    def full_after_one(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(kv_tier.os, "posix_fallocate", full_after_one)
+    monkeypatch.setattr(kv_tier, "RESERVE_SLOTS", 3)
+    for h in range(1, 6):
+        tier.save(0, h, (h,))
+    assert calls[0] == (0, 3 * tier.bytes_per_block)
+    assert tier.stats.capacity_blocks == 3 and len(tier) == 3  # the reserved ones, LRU
+    assert tier.holds(5, (5,)) and not tier.holds(1, (1,))
