@@ -16,12 +16,9 @@ Invariants:
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from app.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from app.engine.kv_tier import KVTier
 
 
 @dataclass
@@ -60,7 +57,7 @@ class BlockManager:
     blocks: list[Block] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)
     _by_hash: dict[int, int] = field(init=False)
-    tier: "KVTier | None" = None
+    tier: Any = None  # an app.engine.kv_tier.KVTier (not imported: it imports the runner)
     prefix_hit_tokens: int = field(init=False, default=0)
     tier_hit_tokens: int = field(init=False, default=0)
     prefix_query_tokens: int = field(init=False, default=0)
