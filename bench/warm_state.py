@@ -19,19 +19,26 @@ on, mean) and the issue's other keys, `moved_over_unmoved_ttft` and
 """
 
 import argparse
+import gc
 import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
+from app.models.attention_backends import select_backend  # noqa: E402
+from app.models.loader import random_model  # noqa: E402
 from app.protocol import SamplingParams  # noqa: E402
 from app.protocol.messages import ContextAction, ContextOp  # noqa: E402
+from bench.gpu_decode import SHAPES, write_config  # noqa: E402
 
 NEW_TOKENS = 8  # a returning turn's own message
 REPLY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -56,17 +63,32 @@ def run(args: argparse.Namespace, offload: str, threads: int) -> dict:
     block = 16
     per_context = args.tokens + args.turns * (NEW_TOKENS + REPLY.max_tokens) + block
     blocks = (args.contexts * per_context) // (args.overcommit * block)
-    engine = LLMEngine(
-        EngineConfig(
-            num_kv_blocks=blocks,
-            kv_offload=offload,
-            max_num_batched_tokens=2048,
-            num_threads=threads,
-        )
+    config = EngineConfig(
+        num_kv_blocks=blocks,
+        kv_offload=offload,
+        kv_offload_gib=args.tier_gib,
+        max_num_batched_tokens=2048,
+        num_threads=threads,
     )
+    loaded = None
+    if args.shape:  # random weights of a real shape, drawn on the device (GPU machine)
+        source = write_config(args.shape, args.root)
+        config = config.model_copy(
+            update=dict(
+                model=str(source.directory),
+                device=args.device,
+                dtype=args.dtype,
+                max_model_len=per_context + 64,
+            )
+        )
+        backend = select_backend(config.attention_backend, config.torch_device, block)
+        loaded = random_model(
+            source, backend, config.torch_dtype, config.torch_device, config.max_model_len
+        )
+    engine = LLMEngine(config, loaded=loaded)
     rng = random.Random(0)
     histories = {
-        f"c{i}": [rng.randrange(1000, 40000) for _ in range(args.tokens)]
+        f"c{i}": [rng.randrange(1000, args.vocab) for _ in range(args.tokens)]
         for i in range(args.contexts)
     }
     for cid, tokens in histories.items():
@@ -75,10 +97,14 @@ def run(args: argparse.Namespace, offload: str, threads: int) -> dict:
     ttfts, outputs = [], []
     for _ in range(args.turns):
         for cid in histories:
-            ms, out = turn(engine, cid, [rng.randrange(1000, 40000) for _ in range(NEW_TOKENS)])
+            ms, out = turn(engine, cid, [rng.randrange(1000, args.vocab) for _ in range(NEW_TOKENS)])
             ttfts.append(ms)
             outputs.append(out)
     after = engine.stats_snapshot()
+    del engine, loaded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the next setting's cache and weights
     return {
         "kv_offload": offload,
         "cache_blocks": blocks,
@@ -99,27 +125,40 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3, help="returning turns per context")
     parser.add_argument("--overcommit", type=int, default=4, help="contexts' KV / cache")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
+    parser.add_argument("--tier-gib", type=float, default=4.0, help="kv_offload_gib")
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), help="random weights of this shape (default: the model)"
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
+    args.vocab = SHAPES[args.shape]["vocab_size"] if args.shape else 40000
     import os
 
     threads = args.threads or os.cpu_count() or 1
+    # the tier a replica of this device gets: RAM beside a GPU, the disk beside a CPU cache
+    on = "memory" if args.shape and args.device.startswith("cuda") else "disk"
     results = {}
-    for offload in ("disk", "off"):
-        results[offload] = run(args, offload, threads)
-        r = results[offload]
-        print(
-            f"kv_offload={offload:<5} cache {r['cache_blocks']} blocks: returning TTFT mean "
-            f"{r['mean_ttft_ms']} ms, p50 {r['p50_ttft_ms']} ms; computed {r['computed_tokens']}"
-            f" tokens, read back {r['tier_tokens']} (read {r['tier_read_s']} s, "
-            f"write {r['tier_write_s']} s)",
-            flush=True,
-        )
-    same = results["disk"].pop("outputs") == results["off"].pop("outputs")
-    gain = results["off"]["mean_ttft_ms"] / results["disk"]["mean_ttft_ms"]
+    with tempfile.TemporaryDirectory() as root:
+        args.root = Path(root)
+        for offload in (on, "off"):
+            results[offload] = run(args, offload, threads)
+            r = results[offload]
+            print(
+                f"kv_offload={offload:<6} cache {r['cache_blocks']} blocks: returning TTFT mean "
+                f"{r['mean_ttft_ms']} ms, p50 {r['p50_ttft_ms']} ms; computed "
+                f"{r['computed_tokens']} tokens, read back {r['tier_tokens']} (read "
+                f"{r['tier_read_s']} s, write {r['tier_write_s']} s)",
+                flush=True,
+            )
+    same = results[on].pop("outputs") == results["off"].pop("outputs")
+    gain = results["off"]["mean_ttft_ms"] / results[on]["mean_ttft_ms"]
     print(f"tier gain (mean TTFT off / on): {gain:.2f}x; same tokens: {same}")
     print(
         json.dumps(
             {
+                "shape": args.shape or "default model",
+                "device": args.device if args.shape else "cpu",
                 "contexts": args.contexts,
                 "tokens": args.tokens,
                 "overcommit": args.overcommit,

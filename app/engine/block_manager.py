@@ -173,6 +173,8 @@ class BlockManager:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(needed):
             seq.block_table.append(self._allocate_fresh())
+        if self.tier is not None:
+            self.tier.flush()  # the KV of blocks just taken, out before it is overwritten
         return cow
 
     def _needs_copy(self, seq: Sequence) -> bool:

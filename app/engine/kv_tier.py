@@ -20,8 +20,9 @@ stay), and its next turn finds them again in the cache, or here. Only the last, 
 filled block of a context is not kept (it has no hash yet): at most a block's tokens are
 computed again.
 
-Plain Python and torch, under the engine's lock like the block manager: a copy is a
-memcpy per layer; the kernel writes a file tier's pages back in the background.
+Plain Python and torch, under the engine's lock like the block manager: the blocks of one
+allocation are copied together, a gather per layer; the kernel writes a file tier's pages
+back in the background.
 """
 
 import logging
@@ -94,6 +95,7 @@ class KVTier:
             path.unlink(missing_ok=True)  # the mapping stays; the name goes now (none: size 0)
             self.slots = mapped.view(shape)
             self.where = str(directory)
+        self._pending: list[tuple[int, int]] = []  # (cache block, slot) saved, not copied
         self._held: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # LRU first
         self._fresh = 0  # slots from here on were never written
         self._reserved = 0  # slots whose bytes the disk holds for the file (a file tier)
@@ -116,15 +118,41 @@ class KVTier:
                 return
             _, (slot, _) = self._held.popitem(last=False)
             self.stats.dropped_blocks += 1
-        target = self.slots[slot]
-        for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
-            # Into pinned memory a copy is queued on the stream, before the forward that
-            # overwrites the block: it need not wait.
-            target[layer, 0].copy_(k[block_id], non_blocking=True)
-            target[layer, 1].copy_(v[block_id], non_blocking=True)
+        # Copied in `flush`, all blocks of one allocation at once: block by block, a GPU
+        # replica would pay two copies per layer per block.
+        self._pending.append((block_id, slot))
         self._held[block_hash] = (slot, token_ids)
         self.stats.saved_blocks += 1
         self.stats.held_blocks = len(self._held)
+        self.stats.write_s += time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Copy the blocks `save` was given into their slots: before anything writes
+        those blocks again (the block manager calls it once an allocation is done)."""
+        if not self._pending:
+            return
+        started = time.perf_counter()
+        # a slot reused within one allocation holds the last block given it
+        latest = {slot: block for block, slot in self._pending}
+        self._pending.clear()
+        slots, blocks = list(latest), list(latest.values())
+        device = self.k_caches[0].device
+        index = torch.tensor(blocks, dtype=torch.long, device=device)
+        into = torch.tensor(slots, dtype=torch.long)
+        pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+        if device.type == "cpu":
+            for layer, (k, v) in enumerate(pairs):
+                self.slots[into, layer, 0] = k.index_select(0, index)
+                self.slots[into, layer, 1] = v.index_select(0, index)
+        else:  # gathered on the device, then one copy to the host
+            staged = torch.stack(
+                [
+                    torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
+                    for k, v in pairs
+                ],
+                dim=1,
+            )  # (n, layers, 2, *block)
+            self.slots[into] = staged.cpu()
         self.stats.write_s += time.perf_counter() - started
 
     def _new_slot(self) -> int | None:
@@ -157,25 +185,38 @@ class KVTier:
         return held is not None and held[1] == token_ids
 
     def fetch(self, hashes: list[int]) -> torch.Tensor:
-        """A copy of the KV of blocks `hashes` (each `holds`), (n, layers, 2, *block):
-        a copy, since the cache blocks it goes into are taken after this, and taking
-        them may push blocks into the tier, and others out of it."""
+        """A copy of the KV of blocks `hashes` (each `holds`), (n, layers, 2, *block), on
+        the cache's device: a copy, since the cache blocks it goes into are taken after
+        this, and taking them may push blocks into the tier, and others out of it. (On a
+        GPU the copies are queued: `read_s` counts their issue, not their transfer.)"""
+        self.flush()  # a block saved in this allocation may be one asked for
         started = time.perf_counter()
         slots = [self._held[h][0] for h in hashes]
         for h in hashes:
             self._held.move_to_end(h)
-        kv = self.slots[torch.tensor(slots, dtype=torch.long)]
+        device = self.k_caches[0].device
+        if device.type == "cpu":
+            kv = self.slots[torch.tensor(slots, dtype=torch.long)]
+        else:  # straight from the pinned slots, each one contiguous, queued on the stream
+            kv = torch.empty(
+                (len(slots), *self.slots.shape[1:]), dtype=self.slots.dtype, device=device
+            )
+            for row, slot in enumerate(slots):
+                kv[row].copy_(self.slots[slot], non_blocking=True)
         self.stats.hit_blocks += len(hashes)
         self.stats.read_s += time.perf_counter() - started
         return kv
 
     def install(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """`fetch`'s copy into cache blocks `block_ids`."""
+        self.flush()  # the blocks may have been saved just now: their KV goes out first
         started = time.perf_counter()
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.k_caches[0].device)
+        device = self.k_caches[0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        kv = kv.to(device)  # one copy to a GPU; then one scatter per layer there
         for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
-            k[index] = kv[:, layer, 0].to(k.device, non_blocking=True)
-            v[index] = kv[:, layer, 1].to(v.device, non_blocking=True)
+            k[index] = kv[:, layer, 0]
+            v[index] = kv[:, layer, 1]
         self.stats.read_s += time.perf_counter() - started
 
 

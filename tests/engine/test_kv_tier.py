@@ -36,6 +36,19 @@ def _computed(bm: BlockManager, k, v, tokens: list[int], rid: str) -> Sequence: 
     return seq
 
 
+def test_saves_are_copied_together_and_a_reused_slot_keeps_the_last_block():
+    """`save` only books a slot; `flush` copies every booked block at once. With one
+    slot, two saves before a flush leave the second block's KV there."""
+    k, v = _caches(2)
+    k[0][0], k[0][1], v[1][1] = 1.0, 2.0, -2.0
+    tier = KVTier(k, v, capacity_bytes=2 * 2 * 4 * 2 * 3 * 4)  # one block's bytes
+    tier.save(0, 7, (7,))
+    tier.save(1, 8, (8,))
+    assert not tier.holds(7, (7,)) and tier.holds(8, (8,))
+    kv = tier.fetch([8])  # flushes first
+    assert torch.equal(kv[0, 0, 0], k[0][1]) and torch.equal(kv[0, 1, 1], v[1][1])
+
+
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_a_reallocated_block_comes_back_from_the_tier(tmp_path, on_disk):
     k, v = _caches(4)
