@@ -144,7 +144,7 @@ class KVTier:
             for layer, (k, v) in enumerate(pairs):
                 self.slots[into, layer, 0] = k.index_select(0, index)
                 self.slots[into, layer, 1] = v.index_select(0, index)
-        else:  # gathered on the device, then one copy to the host
+        else:  # gathered on the device, then each block straight into its pinned slot
             staged = torch.stack(
                 [
                     torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
@@ -152,7 +152,10 @@ class KVTier:
                 ],
                 dim=1,
             )  # (n, layers, 2, *block)
-            self.slots[into] = staged.cpu()
+            # Queued on the stream, before any forward that overwrites the blocks, and
+            # before any read of the slots (`fetch` copies on the same stream).
+            for row, slot in enumerate(slots):
+                self.slots[slot].copy_(staged[row], non_blocking=True)
         self.stats.write_s += time.perf_counter() - started
 
     def _new_slot(self) -> int | None:
