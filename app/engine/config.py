@@ -69,8 +69,9 @@ class EngineConfig(BaseModel):
         description="A second KV tier (app/engine/kv_tier.py): cached prefix blocks (idle "
         "contexts' included) that the cache reallocates keep their KV there, and are read "
         "back instead of computed. 'memory': host RAM; 'disk': a file in kv_offload_dir; "
-        "'auto': the disk on a CPU (whose RAM is already the cache; bench/warm_state.py), "
-        "off on a GPU until measured there. Needs prefix caching and one shard.",
+        "'auto': pinned host RAM on a GPU, the disk on a CPU (whose RAM is already the "
+        "cache); both read back faster than recomputing (bench/warm_state.py). Needs prefix "
+        "caching and one shard.",
     )
     kv_offload_gib: float = Field(4.0, ge=0, description="The second tier's size.")
     kv_offload_dir: str | None = Field(
