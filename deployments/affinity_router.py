@@ -25,8 +25,10 @@ The usual choice is Serve's power of two choices, built here on the public route
 Serve then sends to the one with the shorter queue. The decisions themselves are the
 pure functions below, over replica ids and queue lengths.
 
-The maps live in this process and are shared by every router of the deployment here; with
-several ingress replicas each learns its own (contexts then need a sticky client).
+The maps live in this process, shared by every router of the deployment here, and are
+the cache of the app's RoutingState (routing_state.py), which every ingress replica's
+routers write to and read what they do not know from: a context created through one
+ingress is found through another, and after an ingress restart.
 
 The router hands each chosen replica to the request it was chosen for (the base class's
 default): Serve's FIFOMixin would give it to the oldest waiting request, which for a
@@ -34,7 +36,6 @@ pinned context would be the wrong replica.
 """
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -48,49 +49,11 @@ from ray.serve.request_router import (
 
 from app.protocol.messages import ContextOp, EngineRequest, context_op
 from deployments.config import RoutingConfig
+from deployments.context_pins import ContextPins
 from deployments.prefix_index import PrefixIndex
-
-MAX_PINS = 100_000  # contexts remembered per ingress (~150 B each)
+from deployments.routing_state import SharedRouting
 
 T = TypeVar("T")
-
-
-class ContextPins:
-    """Which replica holds each context, and the reverse, so that a replica's pins go
-    with it. At most `capacity` pins, least recently used dropped first. A pin outlives
-    its context (freed, or dropped by the engine's limits): calls that name it go to
-    that replica and get its 404, or create it there again. So a free does not unpin
-    (it may also be refused while the context is busy)."""
-
-    def __init__(self, capacity: int = MAX_PINS) -> None:
-        self.capacity = capacity
-        self.holder: OrderedDict[str, str] = OrderedDict()  # context id -> replica id
-        self.held: dict[str, set[str]] = {}  # replica unique id -> context ids
-
-    def pin(self, context: str, replica: str) -> None:
-        self.unpin(context)
-        self.holder[context] = replica
-        self.held.setdefault(replica, set()).add(context)
-        while len(self.holder) > self.capacity:
-            self.unpin(next(iter(self.holder)))
-
-    def touch(self, context: str) -> None:
-        if context in self.holder:
-            self.holder.move_to_end(context)
-
-    def unpin(self, context: str) -> None:
-        replica = self.holder.pop(context, None)
-        if replica is not None:
-            self.held.get(replica, set()).discard(context)
-
-    def drop_replica(self, replica: str) -> None:
-        for context in self.held.pop(replica, set()):
-            self.holder.pop(context, None)
-
-    def retain(self, replicas: Collection[str]) -> None:
-        """Drop the pins of every replica not in `replicas` (the live ones)."""
-        for gone in [r for r in self.held if r not in replicas]:
-            self.drop_replica(gone)
 
 
 # ---- The decisions, over replica ids and queue lengths (no Serve objects) ----
@@ -152,8 +115,9 @@ def call_args(pending: PendingRequest | None) -> tuple[Any, ...]:
 
 # ---- The router: Serve's hooks, wired to the decisions above ----
 
-# (app, deployment) -> where prompts were sent / which replica holds each context.
-_SHARED: dict[tuple[str, str], tuple[PrefixIndex, ContextPins]] = {}
+# (app, deployment) -> where prompts were sent, which replica holds each context, and the
+# link to what every ingress knows.
+_SHARED: dict[tuple[str, str], tuple[PrefixIndex, ContextPins, SharedRouting]] = {}
 
 
 class AffinityRouter(LocalityMixin, RequestRouter):
@@ -174,8 +138,9 @@ class AffinityRouter(LocalityMixin, RequestRouter):
                     block_size, self.routing.max_prefix_tokens, self.routing.max_indexed_blocks
                 ),
                 ContextPins(),
+                SharedRouting(*self.deployment_key, self.routing.max_indexed_blocks),
             )
-        self.prefixes, self.pins = _SHARED[self.deployment_key]
+        self.prefixes, self.pins, self.shared = _SHARED[self.deployment_key]
 
     async def choose_replicas(
         self,
@@ -186,20 +151,42 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         op = context_op(args)
         if op is not None and pending_request is not None:
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            known = await self._learn_pins(op, by_id)
             home = context_home(
                 op,
                 self.pins,
                 by_id,
                 lambda: self._new_home(candidate_replicas, pending_request),
             )
+            if home is not None and op.action.creates and not known and self.shared.others:
+                # Another ingress may be creating it too: the first claim wins.
+                claimed = await self.shared.claim(op.context_id, home, list(by_id))
+                if claimed in by_id and claimed != home:
+                    home = claimed
+                    self.pins.pin(op.context_id, home)
             if home is not None:
                 # Only this replica will do: if it is full, wait (with backoff) for it.
                 pending_request.routing_context.should_backoff = True
                 return [[by_id[home]]]
         usual = self._power_of_two(candidate_replicas, pending_request)
         ranks = [usual] if usual else []
-        preferred = self._prefix_holders(candidate_replicas, prompt_of(args))
+        preferred = await self._prefix_holders(candidate_replicas, prompt_of(args))
         return [preferred, *ranks] if preferred else ranks
+
+    async def _learn_pins(self, op: ContextOp, live: Collection[str]) -> bool:
+        """A context (or the parent of a new one) with no live pin here may have been made
+        through another ingress, or before this one restarted: ask what every ingress
+        knows. True: the context itself has a live pin now."""
+        for context in (op.context_id, op.parent_context_id):
+            if context is None:
+                continue
+            if self.pins.holder.get(context) in live:
+                return context == op.context_id
+            home = await self.shared.where(context)
+            if home in live:
+                self.pins.pin(context, home)
+                return context == op.context_id
+        return False
 
     def _power_of_two(
         self, candidates: list[RunningReplica], pending: PendingRequest | None
@@ -221,19 +208,24 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         )
         return least_loaded([r.replica_id.unique_id for r in pool], self._loads(pool))
 
-    def _prefix_holders(
+    async def _prefix_holders(
         self, candidates: list[RunningReplica], prompt: list[int] | None
     ) -> list[RunningReplica]:
-        """The replicas holding the prompt's longest known prefix, if that prefix is worth
-        it and they are neither full nor much busier than the least loaded replica."""
+        """The replicas holding the prompt's longest known prefix (here, else, if other
+        ingresses write, in what they all know), if that prefix is worth it and they are
+        neither full nor much busier than the least loaded replica."""
         if not prompt or not self.routing.prefix_affinity or len(candidates) < 2:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        holders, matched = self.prefixes.match(prompt, by_id)
-        if matched < self.routing.min_match_tokens:
+        keys = self.prefixes.keys(prompt)
+        holders, depth = self.prefixes.match_keys(keys, by_id)
+        enough = -(-self.routing.min_match_tokens // self.prefixes.block_size)
+        if depth < enough and self.shared.others:
+            holders, depth = await self.shared.match(keys, list(by_id))
+        if depth < enough:
             return []
         kept = balanced_holders(holders, self._loads(candidates), self.routing.max_imbalance)
-        return self.select_available_replicas([by_id[h] for h in kept])
+        return self.select_available_replicas([by_id[h] for h in kept if h in by_id])
 
     def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Ongoing requests per replica as last seen (unknown: 0, as Serve counts it)."""
@@ -247,12 +239,15 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         args = call_args(pending_request)
         prompt = prompt_of(args)
         if prompt and self.routing.prefix_affinity:
-            self.prefixes.insert(prompt, replica_id.unique_id)
+            keys = self.prefixes.keys(prompt)
+            self.prefixes.insert_keys(keys, replica_id.unique_id)
+            self.shared.sent(keys, replica_id.unique_id)
         op = context_op(args)
         if op is None:
             return
         if op.action.creates:
             self.pins.pin(op.context_id, replica_id.unique_id)  # where it really went
+            self.shared.pinned(op.context_id, replica_id.unique_id)
         else:
             self.pins.touch(op.context_id)
 

@@ -8,7 +8,9 @@ candidates, and the deepest level reached is the match. Keys are kept in LRU ord
 oldest are dropped past `max_blocks`, an approximation of the replicas' own eviction.
 Replicas that are gone are simply never asked about again, and their entries age out.
 
-Plain Python, no Ray: one per router (per ingress process, per model deployment).
+Plain Python, no Ray: one per router (per ingress process, per model deployment), and one
+per deployment in the RoutingState every ingress shares (routing_state.py), which sees
+only the keys. Keys hash int tuples: the same in every process.
 """
 
 from collections import OrderedDict
@@ -40,10 +42,15 @@ class PrefixIndex:
     def match(self, token_ids: Sequence[int], replicas: Iterable[str]) -> tuple[list[str], int]:
         """(replicas holding the longest indexed prefix among `replicas`, its length in
         tokens). No match: ([], 0)."""
+        holders, depth = self.match_keys(self.keys(token_ids), replicas)
+        return holders, depth * self.block_size
+
+    def match_keys(self, keys: Sequence[int], replicas: Iterable[str]) -> tuple[list[str], int]:
+        """`match` of a prompt's block keys; the depth in blocks."""
         alive = set(replicas)
         best: list[str] = []
         depth = 0
-        for i, key in enumerate(self.keys(token_ids)):
+        for i, key in enumerate(keys):
             holders = self._holders.get(key)
             if not holders:
                 break
@@ -51,10 +58,13 @@ class PrefixIndex:
             if not alive:
                 break
             best, depth = sorted(alive), i + 1
-        return best, depth * self.block_size
+        return best, depth
 
     def insert(self, token_ids: Sequence[int], replica: str) -> None:
-        for key in self.keys(token_ids):
+        self.insert_keys(self.keys(token_ids), replica)
+
+    def insert_keys(self, keys: Sequence[int], replica: str) -> None:
+        for key in keys:
             holders = self._holders.get(key)
             if holders is None:
                 holders = self._holders[key] = {}

@@ -8,7 +8,8 @@ out of the list. Nothing routes by these figures (Serve's router asks the replic
 their queue lengths itself): they feed GET /engines, /metrics and the operator's
 `metrics` events, so an idle replica says only that it is still there, and seldom. The
 registry is plain state in one light Serve deployment; the ingress reads it for GET
-/engines, the operator waits on it (`watch`) rather than polling.
+/engines, the operator waits on it (`watch`) rather than polling. It also starts, and so
+owns, the app's RoutingState actor (routing_state.py), which lives as long as it does.
 """
 
 import asyncio
@@ -18,6 +19,8 @@ import time
 from typing import Any
 
 from ray import serve
+
+from deployments.routing_state import start_routing_state
 
 HEARTBEAT_S = 2.0  # a replica whose engine has work reads its figures this often
 KEEPALIVE_S = 5.0  # an idle replica's figures do not change: it says it lives this often
@@ -34,6 +37,11 @@ class EngineRegistry:
         # the list, the version and the watchers' event change under this lock, so a
         # change between a watcher's look at the version and its wait still wakes it.
         self._lock = threading.RLock()
+        try:
+            app = serve.get_replica_context().app_name
+        except Exception:  # noqa: BLE001 (not a Serve replica: a test's own registry)
+            app = None
+        self._routing = None if app is None else start_routing_state(app)
 
     def _bump(self) -> None:
         """An engine joined, left or reported other figures: wake the watchers (called

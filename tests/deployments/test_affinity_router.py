@@ -9,13 +9,13 @@ import pytest
 from app.protocol.messages import ContextAction, ContextOp, EngineRequest, context_op
 from app.protocol.sampling import SamplingParams
 from deployments.affinity_router import (
-    ContextPins,
     balanced_holders,
     context_home,
     least_loaded,
     prompt_of,
     two_choices,
 )
+from deployments.context_pins import ContextPins
 
 LIVE = {"r1", "r2", "r3"}
 

@@ -1,4 +1,5 @@
-"""With two replicas, every primitive on a context reaches the replica that holds it."""
+"""With two replicas behind two ingress replicas, every primitive on a context reaches the
+replica that holds it, whichever ingress it comes through (deployments/routing_state.py)."""
 
 import time
 
@@ -10,13 +11,18 @@ MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def pair_url(base_url):
+def pair_url(base_url, tmp_path_factory):
     from deployments.builder import build_app
     from deployments.config import AppConfig
 
+    database = tmp_path_factory.mktemp("pair") / "shoal.db"
     config = AppConfig.model_validate(
         {
             "embeddings": {"enabled": False},
+            # Two ingress replicas: the HTTP proxy spreads calls over both, so a context
+            # is used through the one that did not create it about half the time.
+            "ingress_replicas": 2,
+            "database": {"url": f"sqlite:///{database}"},
             "models": [{"num_replicas": 2, "num_cpus": 0.5, "engine": {"num_threads": 1}}],
         }
     )
@@ -64,6 +70,46 @@ def test_every_primitive_reaches_the_holder(pair_url):
         held[stats["replica"]] = stats["num_contexts"]
     assert len(held) == 2 and sum(held.values()) == len(contexts) + len(children)
     for cid in [*contexts, *children]:
+        assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
+
+
+def ingress_replicas(app: str) -> list[str]:
+    import ray
+
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#Ingress#")
+    ]
+
+
+def test_contexts_are_found_through_an_ingress_that_replaced_a_killed_one(pair_url):
+    """An ingress replica that is killed and replaced starts with no pins of its own:
+    it finds the contexts in the shared routing state."""
+    import ray
+
+    greedy = {"temperature": 0, "max_gen_length": 2}
+    contexts = [8000 + i for i in range(8)]
+    for i, cid in enumerate(contexts):
+        ids = {"session_id": 4, "task_id": i, "context_id": cid}
+        assert post(pair_url, "/fill", {**ids, "text": f"Note {i}:"}).status_code == 200
+    before = ingress_replicas("pair")
+    assert len(before) == 2
+    ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+    deadline = time.time() + 120
+    while True:  # Serve starts a replacement; wait until both answer again
+        now = ingress_replicas("pair")
+        status = serve.status().applications["pair"].deployments["Ingress"]
+        if before[0] not in now and status.replica_states.get("RUNNING") == 2:
+            break
+        assert time.time() < deadline, status
+        time.sleep(1)
+    for _ in range(3):  # about half of these go through the new replica
+        for i, cid in enumerate(contexts):
+            ids = {"session_id": 4, "task_id": 50 + i, "context_id": cid}
+            r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+            assert r.status_code == 200, r.text
+    for cid in contexts:
         assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
 
 

@@ -1,0 +1,194 @@
+"""RoutingState: the routing knowledge every ingress shares, in one place.
+
+Each model deployment's AffinityRouter (one per ingress process) learns two things: which
+replica holds each context (ContextPins) and where each prompt prefix was sent
+(PrefixIndex). Kept per process, a second ingress replica would not know the contexts
+the first created, and a restarted one would know none. So each router writes what it
+learns to one small Ray actor per application, and reads from it what it does not know:
+
+- a context pin is sent when the context is created (at once: the next call may come
+  through another ingress); a call whose context has no live pin here asks the actor
+  before it falls back to the usual choice (an ingress restart loses nothing);
+- prefix block keys are sent in batches (`FLUSH_S`); the actor is asked for a match
+  only when another router has written lately (`others`): one ingress never waits on it;
+- with other routers about, a call that may create a context claims it at the actor
+  (the first claim wins), so two ingresses creating one context at once agree on where.
+
+The local maps stay the cache: a pin or prefix known here costs no round trip. The actor
+lives as long as the app's EngineRegistry replica, which starts it (Ray's ownership: it
+goes when that replica goes). Without it (an app built without a registry, the actor
+restarting) a router keeps to what it knows itself: each call to it is bounded by
+`TIMEOUT_S` and its failure means "unknown".
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from deployments.context_pins import ContextPins
+from deployments.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+NAMESPACE = "shoal"
+FLUSH_S = 0.1  # prefix keys wait at most this long to be sent
+TIMEOUT_S = 1.0  # a read that takes longer counts as unknown
+ACTIVE_S = 60.0  # a router that wrote this recently counts as another ingress
+LOOKUP_EVERY_S = 5.0  # a missing actor is looked for again after this long
+
+
+def actor_name(app: str) -> str:
+    return f"routing:{app}"
+
+
+class RoutingState:
+    """The shared maps, per model deployment. Plain Python: the actor's methods run one
+    at a time."""
+
+    def __init__(self) -> None:
+        self.pins: dict[str, ContextPins] = {}
+        self.prefixes: dict[str, PrefixIndex] = {}
+        self.writers: dict[str, float] = {}  # router id -> when it last wrote
+
+    def _index(self, deployment: str, max_blocks: int) -> PrefixIndex:
+        if deployment not in self.prefixes:  # keys only: the block size is the routers'
+            self.prefixes[deployment] = PrefixIndex(block_size=1, max_blocks=max_blocks)
+        return self.prefixes[deployment]
+
+    def push(
+        self,
+        router: str,
+        deployment: str,
+        pins: Sequence[tuple[str, str]] = (),
+        prompts: Sequence[tuple[Sequence[int], str]] = (),
+        max_blocks: int = 50_000,
+    ) -> int:
+        """Record what a router learned; returns how many other routers wrote lately."""
+        now = time.monotonic()
+        self.writers[router] = now
+        held = self.pins.setdefault(deployment, ContextPins())
+        for context, replica in pins:
+            held.pin(context, replica)
+        index = self._index(deployment, max_blocks)
+        for keys, replica in prompts:
+            index.insert_keys(keys, replica)
+        for gone in [r for r, t in self.writers.items() if now - t > ACTIVE_S]:
+            del self.writers[gone]
+        return len(self.writers) - 1
+
+    def where(self, deployment: str, context: str) -> str | None:
+        held = self.pins.get(deployment)
+        return None if held is None else held.holder.get(context)
+
+    def claim(self, deployment: str, context: str, replica: str, live: Sequence[str]) -> str:
+        """The replica `context` is pinned to if it is live, else `replica`, pinned now."""
+        held = self.pins.setdefault(deployment, ContextPins())
+        home = held.holder.get(context)
+        if home not in live:
+            home = replica
+            held.pin(context, home)
+        return home
+
+    def match(self, deployment: str, keys: Sequence[int], live: Sequence[str]) -> tuple:
+        index = self.prefixes.get(deployment)
+        return ([], 0) if index is None else index.match_keys(keys, live)
+
+
+def start_routing_state(app: str) -> Any:
+    """The app's RoutingState actor, started by the caller (who then owns it)."""
+    return (
+        ray.remote(RoutingState)
+        .options(
+            name=actor_name(app),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            num_cpus=0,
+        )
+        .remote()
+    )
+
+
+class SharedRouting:
+    """One router's link to its app's RoutingState: the calls above, bounded in time,
+    with the prefix keys batched. Every failure reads as "unknown"."""
+
+    def __init__(self, app: str, deployment: str, max_blocks: int) -> None:
+        self.name, self.deployment, self.max_blocks = actor_name(app), deployment, max_blocks
+        self.router = uuid.uuid4().hex
+        self.others = True  # until the actor says otherwise: there may be other ingresses
+        self._actor: Any = None
+        self._looked_at = -LOOKUP_EVERY_S
+        self._prompts: list[tuple[list[int], str]] = []
+        self._flush_due = False
+
+    def _handle(self) -> Any:
+        if self._actor is None and time.monotonic() - self._looked_at >= LOOKUP_EVERY_S:
+            self._looked_at = time.monotonic()
+            try:
+                if not ray.is_initialized():  # a router outside Ray (tests): never start one
+                    raise ValueError("no Ray")
+                self._actor = ray.get_actor(self.name, namespace=NAMESPACE)
+            except Exception:  # noqa: BLE001 (not started: no registry, or not yet)
+                self.others = False
+        return self._actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        actor = self._handle()
+        if actor is None:
+            return None
+        try:
+            return await asyncio.wait_for(getattr(actor, method).remote(*args), TIMEOUT_S)
+        except Exception as exc:  # gone, restarting or slow: unknown; look it up again
+            logger.debug("routing state %s failed: %r", method, exc)
+            self._actor = None
+            return None
+
+    async def where(self, context: str) -> str | None:
+        return await self._call("where", self.deployment, context)
+
+    async def claim(self, context: str, replica: str, live: Sequence[str]) -> str:
+        home = await self._call("claim", self.deployment, context, replica, list(live))
+        return replica if home is None else home
+
+    async def match(self, keys: Sequence[int], live: Sequence[str]) -> tuple[list[str], int]:
+        found = await self._call("match", self.deployment, list(keys), list(live))
+        return ([], 0) if found is None else found
+
+    def pinned(self, context: str, replica: str) -> None:
+        """A context was created on `replica`: sent at once."""
+        self._send([(context, replica)], [])
+
+    def sent(self, keys: list[int], replica: str) -> None:
+        """A prompt with these block keys went to `replica`: sent within FLUSH_S."""
+        if not keys:
+            return
+        self._prompts.append((keys, replica))
+        if self._flush_due:
+            return
+        self._flush_due = True
+        try:
+            asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+        except RuntimeError:  # no loop in this thread: now
+            self._flush()
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        prompts, self._prompts = self._prompts, []
+        self._send([], prompts)
+
+    def _send(self, pins: list[tuple[str, str]], prompts: list[tuple[list[int], str]]) -> None:
+        actor = self._handle()
+        if actor is None:
+            return
+        ref = actor.push.remote(self.router, self.deployment, pins, prompts, self.max_blocks)
+        ref.future().add_done_callback(self._heard)
+
+    def _heard(self, future: Any) -> None:
+        try:
+            self.others = future.result() > 0
+        except Exception:  # noqa: BLE001 (the actor went: look it up again)
+            self._actor = None

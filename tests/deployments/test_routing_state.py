@@ -1,0 +1,45 @@
+"""RoutingState (deployments/routing_state.py): what every ingress's router shares. The
+actor's logic, as plain Python; through Ray and Serve in tests/serve/test_context_affinity.py."""
+
+import asyncio
+
+from deployments import routing_state
+from deployments.routing_state import RoutingState, SharedRouting
+
+
+def test_pins_and_prefixes_written_by_one_router_are_read_by_another():
+    state = RoutingState()
+    assert state.push("a", "M", pins=[("ctx", "r1")], prompts=[([11, 12, 13], "r2")]) == 0
+    assert state.where("M", "ctx") == "r1" and state.where("other model", "ctx") is None
+    assert state.match("M", [11, 12, 99], ["r1", "r2"]) == (["r2"], 2)
+    assert state.match("M", [11, 12], ["r1"]) == ([], 0)  # only live replicas count
+    assert state.push("b", "M") == 1  # a second writer: each now sees another
+
+
+def test_the_first_claim_of_a_new_context_wins_while_its_replica_lives():
+    state = RoutingState()
+    assert state.claim("M", "ctx", "r1", ["r1", "r2"]) == "r1"
+    assert state.claim("M", "ctx", "r2", ["r1", "r2"]) == "r1"
+    assert state.claim("M", "ctx", "r2", ["r2"]) == "r2"  # r1 is gone: claimed anew
+    assert state.where("M", "ctx") == "r2"
+
+
+def test_writers_that_fell_silent_stop_counting(monkeypatch):
+    state = RoutingState()
+    clock = [100.0]
+    monkeypatch.setattr(routing_state.time, "monotonic", lambda: clock[0])
+    state.push("a", "M")
+    clock[0] += routing_state.ACTIVE_S + 1
+    assert state.push("b", "M") == 0
+
+
+def test_without_the_actor_a_router_knows_only_itself():
+    """No Ray here: every read is "unknown", nothing starts Ray, and the router stops
+    waiting on a shared state that is not there."""
+    shared = SharedRouting("app", "M", max_blocks=10)
+    assert asyncio.run(shared.where("ctx")) is None
+    assert asyncio.run(shared.claim("ctx", "r1", ["r1"])) == "r1"
+    assert asyncio.run(shared.match([1, 2], ["r1"])) == ([], 0)
+    shared.pinned("ctx", "r1")
+    shared.sent([1, 2], "r1")
+    assert shared.others is False
