@@ -25,9 +25,11 @@ from app.protocol.errors import NotImplementedByServerError, ShoalError
 from app.protocol.messages import ContextOp, EngineErrorMessage, EngineRequest
 from app.protocol.outputs import ContextFile, EngineInfo, SlotInfo, WireDelta
 from deployments.config import ModelDeploymentConfig
+from deployments.context_moves import ContextMoves
 from deployments.http.generation import ENGINE_UNAVAILABLE
 from deployments.pacing import StreamPacer
 from deployments.registry import HEARTBEAT_S, KEEPALIVE_S, runtime_info
+from deployments.routing_state import SharedRouting
 from deployments.shard_actor import ShardGroup
 
 logger = logging.getLogger("ray.serve")
@@ -42,6 +44,15 @@ def _replica_id() -> str:
         return "local"
 
 
+def _shared_routing() -> SharedRouting | None:
+    """This replica's link to its app's RoutingState (None outside Serve)."""
+    try:
+        context = serve.get_replica_context()
+    except Exception:
+        return None
+    return SharedRouting(context.app_name, context.deployment, max_blocks=0)
+
+
 class ModelServer:
     def __init__(
         self,
@@ -52,6 +63,7 @@ class ModelServer:
         """`engine`: an engine already running (in-process tests); by default the replica
         starts its own EngineProcess (and, with tensor parallelism, its shards)."""
         self.config = config
+        self._closed = False
         self.replica_id = _replica_id()
         self.shards = ShardGroup(config, self.replica_id)
         if engine is None:
@@ -65,6 +77,7 @@ class ModelServer:
                 self.shards.stop()
                 raise
         self.engine: EngineClient = engine
+        self.moves = ContextMoves(engine, _shared_routing(), self.replica_id)
         self.pacer = StreamPacer(config.stream_messages_per_s, config.stream_message_interval_s)
         self._stopping = threading.Event()
         # Set by what changes the engine's figures (a request, a context freed or
@@ -141,6 +154,8 @@ class ModelServer:
         self._streams += 1
         self._activity.set()
         try:
+            await self.moves.bring(request.context)
+            self.moves.seen(request.context)
             async for delta in self.pacer.pace(self.engine.generate(request)):
                 yield delta.wire()
         except ShoalError as exc:
@@ -158,12 +173,16 @@ class ModelServer:
 
     # ---- contexts -------------------------------------------------------------------
     async def context_tokens(self, op: ContextOp) -> list[int]:
+        await self.moves.bring(op)
         return await self.engine.context_tokens(op.context_id)
 
     async def free_context(self, op: ContextOp) -> int:
         """Drop a context; returns how many tokens it held."""
+        await self.moves.bring(op)  # a parked one is freed too, not left behind
         try:
-            return await self.engine.free_context(op.context_id)
+            held = await self.engine.free_context(op.context_id)
+            self.moves.freed(op.context_id)
+            return held
         finally:
             self._activity.set()
 
@@ -172,11 +191,16 @@ class ModelServer:
         (off the engine's step loop), within the directory's quota."""
         path = self._slot_file(filename)
         quota = self.config.slot_save_quota_bytes
+        await self.moves.bring(op)
         return await self.engine.save_context(op.context_id, str(path), quota)
 
     async def restore_context(self, op: ContextOp, filename: str) -> ContextFile:
         try:
-            return await self.engine.restore_context(op.context_id, str(self._slot_file(filename)))
+            restored = await self.engine.restore_context(
+                op.context_id, str(self._slot_file(filename))
+            )
+            self.moves.seen(op)
+            return restored
         finally:
             self._activity.set()
 
@@ -209,7 +233,32 @@ class ModelServer:
         self.engine.check_health(stalled_after_s=self.config.stall_timeout_s)
         self.shards.check()
 
-    def __del__(self) -> None:
+    def __del__(self):  # noqa: ANN204 (None, or what Serve awaits)
+        """Serve calls this when it drains the replica, and awaits a coroutine returned:
+        the contexts are sent away (context_moves.py) before the engine stops. Called
+        again by the collector, or outside Serve, it only closes."""
+        if getattr(self, "_closed", True):
+            return None
+        self._closed = True
+        moves = getattr(self, "moves", None)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            moves = None
+        if moves is None or not moves.held or moves.shared is None:
+            self._close()
+            return None
+        return self._send_away_then_close(moves)
+
+    async def _send_away_then_close(self, moves: ContextMoves) -> None:
+        try:
+            await moves.send_away()
+        except Exception:
+            logger.exception("contexts could not be sent away")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         stopping = getattr(self, "_stopping", None)
         if stopping is not None:
             stopping.set()

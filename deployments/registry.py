@@ -8,8 +8,8 @@ out of the list. Nothing routes by these figures (Serve's router asks the replic
 their queue lengths itself): they feed GET /engines, /metrics and the operator's
 `metrics` events, so an idle replica says only that it is still there, and seldom. The
 registry is plain state in one light Serve deployment; the ingress reads it for GET
-/engines, the operator waits on it (`watch`) rather than polling. It also starts, and so
-owns, the app's RoutingState actor (routing_state.py), which lives as long as it does.
+/engines, the operator waits on it (`watch`) rather than polling. It also starts the app's
+RoutingState actor (routing_state.py), or finds the one an earlier registry started.
 """
 
 import asyncio

@@ -14,11 +14,14 @@ learns to one small Ray actor per application, and reads from it what it does no
 - with other routers about, a call that may create a context claims it at the actor
   (the first claim wins), so two ingresses creating one context at once agree on where.
 
-The local maps stay the cache: a pin or prefix known here costs no round trip. The actor
-lives as long as the app's EngineRegistry replica, which starts it (Ray's ownership: it
-goes when that replica goes). Without it (an app built without a registry, the actor
-restarting) a router keeps to what it knows itself: each call to it is bounded by
-`TIMEOUT_S` and its failure means "unknown".
+The local maps stay the cache: a pin or prefix known here costs no round trip. The app's
+EngineRegistry starts the actor, detached: a redeployment replaces every replica of the
+app, the registry's too, and the contexts parked for the new replicas
+(context_moves.py) must outlive them; a later registry finds the same actor by its name.
+It holds at most a few maps and the parked contexts, which expire (`PARKED_S`); it stays
+until the Ray cluster goes. Without it (an app built without a registry) a router keeps
+to what it knows itself: each call to it is bounded by `TIMEOUT_S` and its failure
+means "unknown".
 """
 
 import asyncio
@@ -37,8 +40,10 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "shoal"
 FLUSH_S = 0.1  # prefix keys wait at most this long to be sent
 TIMEOUT_S = 1.0  # a read that takes longer counts as unknown
+PARK_S = 10.0  # a context's bytes may take longer to hand over
 ACTIVE_S = 60.0  # a router that wrote this recently counts as another ingress
 LOOKUP_EVERY_S = 5.0  # a missing actor is looked for again after this long
+PARKED_S = 3600.0  # a parked context nobody called for this long is dropped
 
 
 def actor_name(app: str) -> str:
@@ -53,6 +58,9 @@ class RoutingState:
         self.pins: dict[str, ContextPins] = {}
         self.prefixes: dict[str, PrefixIndex] = {}
         self.writers: dict[str, float] = {}  # router id -> when it last wrote
+        # (deployment, context) -> ([ObjectRef] of a drained replica's context: slot-file
+        # bytes owned by this actor, so they outlive the replica that wrote them; when)
+        self.parked: dict[tuple[str, str], tuple[list, float]] = {}
 
     def _index(self, deployment: str, max_blocks: int) -> PrefixIndex:
         if deployment not in self.prefixes:  # keys only: the block size is the routers'
@@ -93,19 +101,41 @@ class RoutingState:
             held.pin(context, home)
         return home
 
+    def park(self, deployment: str, context: str, data: bytes) -> None:
+        """A draining replica's context (slot-file bytes), to be taken by the replica its
+        next call reaches. Put in the object store from here, so that this actor owns it
+        and it outlives the replica. Its pin goes: the next call goes where the usual
+        choice sends it."""
+        now = time.monotonic()
+        for key in [k for k, (_, at) in self.parked.items() if now - at > PARKED_S]:
+            del self.parked[key]
+        self.parked[(deployment, context)] = ([ray.put(data)], now)
+        held = self.pins.get(deployment)
+        if held is not None:
+            held.unpin(context)
+
+    def unpark(self, deployment: str, context: str, replica: str) -> list | None:
+        """The parked context, now `replica`'s (pinned there); None if none is parked."""
+        parked = self.parked.pop((deployment, context), None)
+        if parked is None:
+            return None
+        self.pins.setdefault(deployment, ContextPins()).pin(context, replica)
+        return parked[0]
+
     def match(self, deployment: str, keys: Sequence[int], live: Sequence[str]) -> tuple:
         index = self.prefixes.get(deployment)
         return ([], 0) if index is None else index.match_keys(keys, live)
 
 
 def start_routing_state(app: str) -> Any:
-    """The app's RoutingState actor, started by the caller (who then owns it)."""
+    """The app's RoutingState actor: started, or the one already there."""
     return (
         ray.remote(RoutingState)
         .options(
             name=actor_name(app),
             namespace=NAMESPACE,
             get_if_exists=True,
+            lifetime="detached",
             num_cpus=0,
         )
         .remote()
@@ -157,6 +187,26 @@ class SharedRouting:
     async def match(self, keys: Sequence[int], live: Sequence[str]) -> tuple[list[str], int]:
         found = await self._call("match", self.deployment, list(keys), list(live))
         return ([], 0) if found is None else found
+
+    async def park(self, context: str, data: bytes) -> bool:
+        """Park a context's slot-file bytes with the shared actor. False: there is none,
+        or it did not take them in time (the context is lost)."""
+        actor = self._handle()
+        if actor is None:
+            return False
+        try:
+            await asyncio.wait_for(actor.park.remote(self.deployment, context, data), PARK_S)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("context %s could not be parked: %r", context, exc)
+            return False
+
+    async def unpark(self, context: str, replica: str) -> bytes | None:
+        """A parked context's slot-file bytes, taken for `replica`; None if none."""
+        blob = await self._call("unpark", self.deployment, context, replica)
+        if not blob:
+            return None
+        return await blob[0]
 
     def pinned(self, context: str, replica: str) -> None:
         """A context was created on `replica`: sent at once."""

@@ -2,6 +2,7 @@
 replica that holds it, whichever ingress it comes through (deployments/routing_state.py)."""
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,12 +11,10 @@ from ray import serve
 MODEL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def pair_url(base_url, tmp_path_factory):
+def pair_app(database: Path, model_replicas: int):  # noqa: ANN201 (a Serve Application)
     from deployments.builder import build_app
     from deployments.config import AppConfig
 
-    database = tmp_path_factory.mktemp("pair") / "shoal.db"
     config = AppConfig.model_validate(
         {
             "embeddings": {"enabled": False},
@@ -23,10 +22,22 @@ def pair_url(base_url, tmp_path_factory):
             # is used through the one that did not create it about half the time.
             "ingress_replicas": 2,
             "database": {"url": f"sqlite:///{database}"},
-            "models": [{"num_replicas": 2, "num_cpus": 0.5, "engine": {"num_threads": 1}}],
+            "models": [
+                {"num_replicas": model_replicas, "num_cpus": 0.5, "engine": {"num_threads": 1}}
+            ],
         }
     )
-    serve.run(build_app(config), name="pair", route_prefix="/pair", blocking=False)
+    return build_app(config)
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pair") / "shoal.db"
+
+
+@pytest.fixture(scope="module")
+def pair_url(base_url, database):
+    serve.run(pair_app(database, 2), name="pair", route_prefix="/pair", blocking=False)
     deadline = time.time() + 300
     while httpx.get(f"{base_url}/pair/health", timeout=30).status_code != 200:
         assert time.time() < deadline, "the two-replica app did not start"
@@ -210,3 +221,43 @@ def test_a_replica_whose_engine_died_gets_no_more_traffic(pair_url):
 
     statuses = asyncio.run(burst())
     assert statuses == [200] * 30, statuses
+
+
+def test_contexts_move_when_their_replica_is_drained(pair_url, database):
+    """20 contexts on two replicas; the app is redeployed with one. The drained replica's
+    contexts are parked in the object store (deployments/context_moves.py) and restored
+    where their next call lands: each Generate computes only its last token, and says
+    what a context built from scratch there says. (Last here: it leaves one replica.)"""
+    greedy = {"temperature": 0, "max_gen_length": 6}
+    story = "Story {}: a lighthouse keeper named Ada counted the ships that passed each night"
+    contexts = [9000 + i for i in range(20)]
+    for i, cid in enumerate(contexts):
+        ids = {"session_id": 5, "task_id": i, "context_id": cid}
+        assert post(pair_url, "/fill", {**ids, "text": story.format(i)}).status_code == 200
+    assert all(n > 0 for n in contexts_held(pair_url).values())  # both hold some
+    serve.run(pair_app(database, 1), name="pair", route_prefix="/pair", blocking=False)
+    handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="pair")
+    deadline = time.time() + 300
+    while True:
+        status = serve.status().applications["pair"]
+        replicas = status.deployments[f"ModelServer:{MODEL}"].replica_states
+        if status.status == "RUNNING" and replicas == {"RUNNING": 1}:
+            break
+        assert time.time() < deadline, status
+        time.sleep(1)
+    before = handle.stats.remote().result(timeout_s=30)
+    texts = []
+    for i, cid in enumerate(contexts):
+        ids = {"session_id": 5, "task_id": 100 + i, "context_id": cid}
+        r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["generated_text"])
+    after = handle.stats.remote().result(timeout_s=30)
+    assert after["num_contexts"] >= len(contexts)
+    computed = after["num_prompt_tokens"] - before["num_prompt_tokens"]
+    assert computed <= 2 * len(contexts), computed  # not their ~20-token histories
+    for i, text in enumerate(texts):  # the same words as a context that never moved
+        ids = {"session_id": 5, "task_id": 200 + i, "context_id": 9500 + i}
+        assert post(pair_url, "/fill", {**ids, "text": story.format(i)}).status_code == 200
+        r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+        assert r.json()["generated_text"] == text, i

@@ -1,0 +1,86 @@
+"""ContextMoves: a replica's contexts leave with it, and come back where their next call
+lands.
+
+When Serve drains a ModelServer replica (a scale-down, a rolling update), it waits for
+the replica's ongoing requests, then calls its destructor. There each context the replica
+holds is saved in the slot-file format (app/engine/slot_files.py: its tokens and the KV
+of the computed ones) and handed to the app's RoutingState actor, which puts it in Ray's
+object store (the actor owns it, so it outlives this replica) and parks it; its pin goes
+(routing_state.py). The next call that names it goes where the router's usual choice
+sends it; that replica does not hold it, takes it from the RoutingState and restores it
+before the call runs, so the call computes only its new tokens. A context nobody calls
+again stays parked until it expires.
+
+The contexts a replica holds are those its calls made (`seen`), less those freed: the
+engine may also have dropped some for its limits, and their save then fails and is
+skipped. A replica whose engine died cannot save anything: its contexts are lost, as
+before (a call then recomputes or gets the engine's 404/410).
+"""
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+
+from app.engine.client import EngineClient
+from app.protocol.messages import ContextOp
+from deployments.routing_state import SharedRouting
+
+logger = logging.getLogger("ray.serve")
+
+
+class ContextMoves:
+    def __init__(self, engine: EngineClient, shared: SharedRouting | None, replica: str) -> None:
+        self.engine, self.shared, self.replica = engine, shared, replica
+        self.held: set[str] = set()
+        self._bringing: dict[str, asyncio.Lock] = {}
+
+    def seen(self, op: ContextOp | None) -> None:
+        if op is not None and op.action.creates:
+            self.held.add(op.context_id)
+
+    def freed(self, context_id: str) -> None:
+        self.held.discard(context_id)
+
+    async def bring(self, op: ContextOp | None) -> None:
+        """Before a call on `op`'s context (or the parent a new child forks): if this
+        replica does not hold it and a drained replica parked it, restore it here."""
+        if op is None or self.shared is None:
+            return
+        for context in (op.context_id, op.parent_context_id):
+            if context is None or context in self.held:
+                continue
+            lock = self._bringing.setdefault(context, asyncio.Lock())
+            async with lock:  # a second call for it waits for the first one's restore
+                if context not in self.held:
+                    await self._restore(context)
+            self._bringing.pop(context, None)
+
+    async def _restore(self, context: str) -> None:
+        assert self.shared is not None
+        data = await self.shared.unpark(context, self.replica)
+        if data is None:
+            return
+        with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
+            path = Path(directory) / "context.slot"
+            path.write_bytes(data)
+            moved = await self.engine.restore_context(context, str(path))
+        self.held.add(context)
+        logger.info("context %s moved here: %d tokens", context, moved.num_tokens)
+
+    async def send_away(self) -> int:
+        """Park every context held here (the replica is draining); how many were."""
+        if self.shared is None:
+            return 0
+        parked = 0
+        with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
+            path = Path(directory) / "context.slot"
+            for context in sorted(self.held):
+                try:
+                    await self.engine.save_context(context, str(path))
+                except Exception as exc:  # dropped for the engine's limits, or TP > 1
+                    logger.info("context %s stays behind: %s", context, exc)
+                    continue
+                parked += await self.shared.park(context, path.read_bytes())
+        logger.info("%d of %d contexts parked for other replicas", parked, len(self.held))
+        return parked
