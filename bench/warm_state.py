@@ -10,10 +10,18 @@ it costs to get its history back: read from the tier (on: a file on the local di
 on a CPU replica), or computed again from the prefix cache's leftovers (off). Both
 engines run in this process one after the other; their tokens must agree.
 
+Then contexts that move (deployments/context_moves.py, in-process: the object store's
+hop is left out): `--move-contexts` contexts of `--tokens` tokens are built over 9 turns
+on one engine (the drained replica) and saved in the slot-file format (at the drain,
+untimed); the 10th turn's TTFT is timed three ways: there (unmoved), on a second engine
+after restoring the file (moved: the restore is in the time), and on a third from the
+whole history (recompute, what a context that cannot move costs). All three must give
+the same tokens.
+
 Printed: per setting the mean and p50 TTFT of returning turns, tokens computed and
-read back; then the gain. The last line is a JSON object with `tier_ttft_gain` (off /
-on, mean) and the issue's other keys, `moved_over_unmoved_ttft` and
-`recompute_over_moved_ttft`, null: contexts do not move between replicas yet.
+read back; then the gain; then the moves. The last line is a JSON object with
+`tier_ttft_gain` (off / on, mean), `moved_over_unmoved_ttft` and
+`recompute_over_moved_ttft` (means).
 
     .venv/bin/python bench/warm_state.py [--contexts 16 --tokens 1024 --turns 3]
 """
@@ -122,6 +130,70 @@ def run(args: argparse.Namespace, offload: str, threads: int) -> dict:
     }
 
 
+def move_figures(args: argparse.Namespace, threads: int) -> dict:
+    from app.engine.context_files import ContextFiles
+
+    rng = random.Random(1)
+    config = EngineConfig(max_num_batched_tokens=2048, num_threads=threads)
+    ids = [f"m{i}" for i in range(args.move_contexts)]
+    turns = {  # ten messages each, the first carrying the history
+        c: [[rng.randrange(1000, args.vocab) for _ in range(args.tokens)]]
+        + [[rng.randrange(1000, args.vocab) for _ in range(NEW_TOKENS)] for _ in range(9)]
+        for c in ids
+    }
+    timed: dict[str, list[float]] = {"unmoved": [], "moved": [], "recompute": []}
+    outputs: dict[str, list[list[int]]] = {k: [] for k in timed}
+    history: dict[str, list[int]] = {c: [] for c in ids}
+
+    def warm(engine: LLMEngine) -> None:  # first-call costs out of the figures
+        turn(engine, "warm-up", [rng.randrange(1000, args.vocab) for _ in range(64)])
+        turn(engine, "warm-up", [rng.randrange(1000, args.vocab) for _ in range(NEW_TOKENS)])
+
+    with tempfile.TemporaryDirectory() as directory:
+        drained = LLMEngine(config)
+        warm(drained)
+        for c in ids:
+            for message in turns[c][:9]:
+                _, out = turn(drained, c, message)
+                history[c] += message + out
+            ContextFiles(drained).save(c, f"{directory}/{c}.slot")  # at the drain
+        for c in ids:
+            ms, out = turn(drained, c, turns[c][9])
+            timed["unmoved"].append(ms)
+            outputs["unmoved"].append(out)
+        del drained
+        gc.collect()
+        survivor = LLMEngine(config)
+        warm(survivor)
+        files = ContextFiles(survivor)
+        for c in ids:
+            started = time.perf_counter()
+            files.restore(c, f"{directory}/{c}.slot")
+            restore_ms = 1000 * (time.perf_counter() - started)
+            ms, out = turn(survivor, c, turns[c][9])
+            timed["moved"].append(restore_ms + ms)
+            outputs["moved"].append(out)
+        del survivor, files
+        gc.collect()
+    fresh = LLMEngine(config)
+    warm(fresh)
+    for c in ids:
+        ms, out = turn(fresh, f"again-{c}", history[c] + turns[c][9])
+        timed["recompute"].append(ms)
+        outputs["recompute"].append(out)
+    del fresh
+    gc.collect()
+    means = {k: round(statistics.mean(v), 1) for k, v in timed.items()}
+    return {
+        "contexts": len(ids),
+        "history_tokens": round(statistics.mean(len(h) for h in history.values())),
+        "mean_ttft_ms": means,
+        "same_tokens": outputs["unmoved"] == outputs["moved"] == outputs["recompute"],
+        "moved_over_unmoved_ttft": round(means["moved"] / means["unmoved"], 2),
+        "recompute_over_moved_ttft": round(means["recompute"] / means["moved"], 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=16)
@@ -135,6 +207,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--move-contexts", type=int, default=8, help="0: no move figures")
     args = parser.parse_args()
     args.vocab = SHAPES[args.shape]["vocab_size"] if args.shape else 40000
     import os
@@ -158,6 +231,18 @@ def main() -> None:
     same = results[on].pop("outputs") == results["off"].pop("outputs")
     gain = results["off"]["mean_ttft_ms"] / results[on]["mean_ttft_ms"]
     print(f"tier gain (mean TTFT off / on): {gain:.2f}x; same tokens: {same}")
+    moves = None
+    if args.move_contexts and not args.shape:  # the default model: what a replica serves
+        moves = move_figures(args, threads)
+        t = moves["mean_ttft_ms"]
+        print(
+            f"10th turn of {moves['contexts']} contexts of ~{moves['history_tokens']} tokens: "
+            f"unmoved {t['unmoved']} ms, moved {t['moved']} ms (restore included), "
+            f"recomputed {t['recompute']} ms; moved/unmoved "
+            f"{moves['moved_over_unmoved_ttft']}x, recompute/moved "
+            f"{moves['recompute_over_moved_ttft']}x; same tokens: {moves['same_tokens']}",
+            flush=True,
+        )
     print(
         json.dumps(
             {
@@ -168,9 +253,10 @@ def main() -> None:
                 "overcommit": args.overcommit,
                 "tier_ttft_gain": round(gain, 2),
                 "same_tokens": same,
-                "moved_over_unmoved_ttft": None,
-                "recompute_over_moved_ttft": None,
+                "moved_over_unmoved_ttft": moves and moves["moved_over_unmoved_ttft"],
+                "recompute_over_moved_ttft": moves and moves["recompute_over_moved_ttft"],
                 "settings": results,
+                "moves": moves,
             }
         )
     )
