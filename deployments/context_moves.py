@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from app.engine.client import EngineClient
+from app.protocol.errors import CapacityError, ShoalError
 from app.protocol.messages import ContextOp
 from deployments.routing_state import SharedRouting
 
@@ -64,7 +65,14 @@ class ContextMoves:
         with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
             path = Path(directory) / "context.slot"
             path.write_bytes(data)
-            moved = await self.engine.restore_context(context, str(path))
+            try:
+                moved = await self.engine.restore_context(context, str(path))
+            except CapacityError:  # no room here now: parked again for a later call
+                await self.shared.park(context, data)
+                raise
+            except ShoalError as exc:  # another model's (an app redeployed): not ours
+                logger.warning("parked context %s dropped: %s", context, exc)
+                return
         self.held.add(context)
         logger.info("context %s moved here: %d tokens", context, moved.num_tokens)
 

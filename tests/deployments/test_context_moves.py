@@ -1,0 +1,103 @@
+"""ContextMoves (deployments/context_moves.py): a drained replica's contexts are parked
+and restored where their next call lands, with two real engines. The RoutingState is
+the plain object here (its Ray actor is tested live in tests/serve/test_context_affinity.py)."""
+
+import asyncio
+import uuid
+
+import pytest
+
+from app.engine.async_engine import AsyncEngine
+from app.protocol import SamplingParams
+from app.protocol.errors import CapacityError
+from app.protocol.messages import ContextAction, ContextOp, EngineRequest
+from deployments.context_moves import ContextMoves
+from deployments.routing_state import RoutingState, SharedRouting
+from tests.helpers import tiny_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+class InProcessLink(SharedRouting):
+    """SharedRouting's calls, answered by a RoutingState in this process."""
+
+    def __init__(self, state: RoutingState) -> None:
+        super().__init__("app", "M", max_blocks=0)
+        self.state = state
+
+    async def _call(self, method: str, *args):  # noqa: ANN002, ANN202
+        return getattr(self.state, method)(*args)
+
+    async def park(self, context: str, data: bytes) -> bool:
+        self.state.parked[("M", context)] = ([data], 0.0)
+        return True
+
+    async def unpark(self, context: str, replica: str) -> bytes | None:
+        blob = self.state.unpark("M", context, replica)
+        return None if blob is None else blob[0]
+
+
+async def generate(engine: AsyncEngine, moves: ContextMoves, cid: str, tokens: list[int]):  # noqa: ANN201
+    op = ContextOp(cid, ContextAction.GENERATE)
+    await moves.bring(op)
+    moves.seen(op)
+    request = EngineRequest(uuid.uuid4().hex, tokens, GREEDY, context=op)
+    out = []
+    async for delta in engine.generate(request):
+        out += delta.token_ids
+    return out
+
+
+def test_a_drained_replicas_context_is_restored_where_its_next_call_lands(tiny_llama):
+    state = RoutingState()
+    drained = AsyncEngine(tiny_engine(tiny_llama))
+    survivor = AsyncEngine(tiny_engine(tiny_llama))
+    unmoved = AsyncEngine(tiny_engine(tiny_llama))
+    a = ContextMoves(drained, InProcessLink(state), "r1")
+    b = ContextMoves(survivor, InProcessLink(state), "r2")
+    plain = ContextMoves(unmoved, None, "r3")
+
+    async def scenario() -> None:
+        history = list(range(5, 40))
+        first = await generate(drained, a, "ctx", history)
+        assert first == await generate(unmoved, plain, "ctx", history)
+        assert await a.send_away() == 1 and ("M", "ctx") in state.parked
+        before = (await survivor.stats())["num_prompt_tokens"]
+        moved = await generate(survivor, b, "ctx", [7, 8])
+        computed = (await survivor.stats())["num_prompt_tokens"] - before
+        assert moved == await generate(unmoved, plain, "ctx", [7, 8])
+        assert computed <= 4  # the new tokens and the last one, not 39 + 4 of history
+        assert state.where("M", "ctx") == "r2" and not state.parked
+        assert await generate(survivor, b, "other", [1, 2, 3])  # nothing parked: as before
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for engine in (drained, survivor, unmoved):
+            engine.shutdown()
+
+
+def test_a_context_that_does_not_fit_stays_parked_and_one_of_another_model_is_dropped(
+    tiny_llama, tmp_path
+):
+    state = RoutingState()
+    source = AsyncEngine(tiny_engine(tiny_llama))
+    small = AsyncEngine(tiny_engine(tiny_llama, num_kv_blocks=4))
+    a = ContextMoves(source, InProcessLink(state), "r1")
+    b = ContextMoves(small, InProcessLink(state), "r2")
+
+    async def scenario() -> None:
+        await generate(source, a, "big", list(range(5, 60)))  # 14+ blocks of 4
+        await a.send_away()
+        with pytest.raises(CapacityError):
+            await generate(small, b, "big", [1])
+        assert ("M", "big") in state.parked  # for a replica with room
+        state.parked[("M", "junk")] = ([b"not a slot file"], 0.0)
+        assert await generate(small, b, "junk", [1, 2])  # dropped: a new context
+        assert ("M", "junk") not in state.parked
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        source.shutdown()
+        small.shutdown()
