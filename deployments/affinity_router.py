@@ -30,12 +30,19 @@ the cache of the app's RoutingState (routing_state.py), which every ingress repl
 routers write to and read what they do not know from: a context created through one
 ingress is found through another, and after an ingress restart.
 
+A replica that leaves the live set without dying is draining: it parks its contexts
+once its last calls end (context_moves.py). A call for one of them waits for that (while
+the replica lives, at most `move_wait_s`, its graceful shutdown's budget) rather than
+reaching another replica before the context does.
+
 The router hands each chosen replica to the request it was chosen for (the base class's
 default): Serve's FIFOMixin would give it to the oldest waiting request, which for a
 pinned context would be the wrong replica.
 """
 
+import asyncio
 import random
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -128,10 +135,17 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         self.deployment_key = (deployment_id.app_name, deployment_id.name)
 
     def initialize_state(
-        self, routing: dict[str, Any] | None = None, block_size: int = 16, **kwargs: Any
+        self,
+        routing: dict[str, Any] | None = None,
+        block_size: int = 16,
+        move_wait_s: float = 30.0,
+        **kwargs: Any,
     ) -> None:
         super().initialize_state(**kwargs)
         self.routing = RoutingConfig.model_validate(routing or {})
+        self.move_wait_s = move_wait_s
+        self.live: dict[str, RunningReplica] = {}
+        self.departed: dict[str, tuple[RunningReplica, float]] = {}  # draining, since when
         if self.deployment_key not in _SHARED:
             _SHARED[self.deployment_key] = (
                 PrefixIndex(
@@ -176,17 +190,44 @@ class AffinityRouter(LocalityMixin, RequestRouter):
     async def _learn_pins(self, op: ContextOp, live: Collection[str]) -> bool:
         """A context (or the parent of a new one) with no live pin here may have been made
         through another ingress, or before this one restarted: ask what every ingress
-        knows. True: the context itself has a live pin now."""
+        knows. True: the context itself has a live pin now.
+        With other ingresses about, what they all know comes first even for a pinned
+        context: an operator may have moved it (context_rebalance.py)."""
         for context in (op.context_id, op.parent_context_id):
             if context is None:
                 continue
-            if self.pins.holder.get(context) in live:
+            home = self.pins.holder.get(context)
+            if home in live and not self.shared.others:
                 return context == op.context_id
-            home = await self.shared.where(context)
+            known = await self.shared.where(context)
+            if known in self.departed:
+                known = await self._await_move(context, known)
+            if known in live and known != home:
+                self.pins.pin(context, known)
+                home = known
             if home in live:
-                self.pins.pin(context, home)
                 return context == op.context_id
         return False
+
+    async def _await_move(self, context: str, replica: str) -> str | None:
+        """Where `context` is pinned once its draining `replica` has parked it (the pin
+        changes or goes), it died, or `move_wait_s` since it left has passed."""
+        gone, since = self.departed[replica]
+        pause = 0.02
+        while time.monotonic() - since < self.move_wait_s:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+            known = await self.shared.where(context)
+            if known != replica:
+                return known
+            try:
+                await asyncio.wait_for(gone.get_queue_len(deadline_s=1.0), 1.0)
+            except TimeoutError:
+                pass
+            except Exception:  # noqa: BLE001 (its actor died: it parks nothing more)
+                self.departed.pop(replica, None)
+                return await self.shared.where(context)
+        return replica
 
     def _power_of_two(
         self, candidates: list[RunningReplica], pending: PendingRequest | None
@@ -255,8 +296,24 @@ class AffinityRouter(LocalityMixin, RequestRouter):
     # the index (LRU): `match` only ever considers live replicas.
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.pins.retain({r.replica_id.unique_id for r in replicas})
+        now, live = time.monotonic(), {r.replica_id.unique_id: r for r in replicas}
+        for replica_id, replica in self.live.items():
+            if replica_id not in live:
+                self.departed[replica_id] = (replica, now)
+        for old in [r for r, (_, t) in self.departed.items() if now - t > self.move_wait_s]:
+            del self.departed[old]
+        self.live = live
+        self.pins.retain(live)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.pins.drop_replica(replica_id.unique_id)
+        self.departed.pop(replica_id.unique_id, None)
+
+
+def repin(app: str, deployment: str, context: str, replica: str) -> None:
+    """An operator moved `context` to `replica`: this process's routers follow at once
+    (others learn it from the RoutingState)."""
+    shared = _SHARED.get((app, deployment))
+    if shared is not None:
+        shared[1].pin(context, replica)

@@ -11,6 +11,11 @@ sends it; that replica does not hold it, takes it from the RoutingState and rest
 before the call runs, so the call computes only its new tokens. A context nobody calls
 again stays parked until it expires.
 
+An operator moves a live replica's context the same way (`move`, from
+deployments/context_rebalance.py): it is saved, parked pinned to the replica it goes to,
+and freed here; its next call goes there and restores it. Calls on it here wait for the
+move; one that still arrives here after it (an ingress's stale pin) brings it back.
+
 The contexts a replica holds are those its calls made (`seen`), less those freed: the
 engine may also have dropped some for its limits, and their save then fails and is
 skipped. A replica whose engine died cannot save anything: its contexts are lost, as
@@ -18,12 +23,20 @@ before (a call then recomputes or gets the engine's 404/410).
 """
 
 import asyncio
+import contextlib
 import logging
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from app.engine.client import EngineClient
-from app.protocol.errors import CapacityError, ShoalError
+from app.protocol.errors import (
+    CapacityError,
+    NotFoundError,
+    NotImplementedByServerError,
+    OverloadedError,
+    ShoalError,
+)
 from app.protocol.messages import ContextOp
 from deployments.routing_state import SharedRouting
 
@@ -34,7 +47,8 @@ class ContextMoves:
     def __init__(self, engine: EngineClient, shared: SharedRouting | None, replica: str) -> None:
         self.engine, self.shared, self.replica = engine, shared, replica
         self.held: set[str] = set()
-        self._bringing: dict[str, asyncio.Lock] = {}
+        # A context being restored here or moved away: calls on it wait for that.
+        self._busy: dict[str, asyncio.Lock] = {}
 
     def seen(self, op: ContextOp | None) -> None:
         if op is not None and op.action.creates:
@@ -42,6 +56,8 @@ class ContextMoves:
 
     def freed(self, context_id: str) -> None:
         self.held.discard(context_id)
+        if self.shared is not None:  # an operator's rebalance counts only live contexts
+            self.shared.freed(context_id, self.replica)
 
     async def bring(self, op: ContextOp | None) -> None:
         """Before a call on `op`'s context (or the parent a new child forks): if this
@@ -49,13 +65,21 @@ class ContextMoves:
         if op is None or self.shared is None:
             return
         for context in (op.context_id, op.parent_context_id):
-            if context is None or context in self.held:
+            if context is None or (context in self.held and context not in self._busy):
                 continue
-            lock = self._bringing.setdefault(context, asyncio.Lock())
-            async with lock:  # a second call for it waits for the first one's restore
+            async with self._hold(context):  # a second call waits for the first's restore
                 if context not in self.held:
                     await self._restore(context)
-            self._bringing.pop(context, None)
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, context: str) -> AsyncIterator[None]:
+        lock = self._busy.setdefault(context, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and self._busy.get(context) is lock:
+                del self._busy[context]
 
     async def _restore(self, context: str) -> None:
         assert self.shared is not None
@@ -75,6 +99,27 @@ class ContextMoves:
                 return
         self.held.add(context)
         logger.info("context %s moved here: %d tokens", context, moved.num_tokens)
+
+    async def move(self, context: str, to: str) -> int:
+        """Send a context held here to replica `to` (an operator's move); its tokens."""
+        if self.shared is None:
+            raise NotImplementedByServerError("contexts cannot move: the app has no routing state")
+        async with self._hold(context):
+            if context not in self.held:
+                raise NotFoundError(f"context {context!r} is not held here", "context_id")
+            with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
+                path = Path(directory) / "context.slot"
+                saved = await self.engine.save_context(context, str(path))  # busy: 409
+                if not await self.shared.park(context, path.read_bytes(), to):
+                    raise OverloadedError("the routing state did not take the context: retry")
+            try:
+                await self.engine.free_context(context)
+            except Exception:  # busy after all: it stays here, unparked again
+                await self.shared.unpark(context, self.replica)
+                raise
+            self.held.discard(context)
+        logger.info("context %s moved to %s: %d tokens", context, to, saved.num_tokens)
+        return saved.num_tokens
 
     async def send_away(self) -> int:
         """Park every context held here (the replica is draining); how many were."""

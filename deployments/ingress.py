@@ -209,6 +209,11 @@ class Ingress:
         await gen.start()
         return gen
 
+    def handle(self, model: str) -> Any:
+        """The model's ModelServer handle (for calls that need to name its deployment)."""
+        self.model(model)
+        return self._calls[model]
+
     async def call(self, model: str, method: str, *args: Any) -> Any:
         """A unary call on the model's replicas; the replica's error is raised as itself."""
         self.model(model)

@@ -49,6 +49,7 @@ def model_deployment(
             request_router_kwargs={
                 "routing": m.routing.model_dump(),
                 "block_size": m.engine.block_size,
+                "move_wait_s": m.graceful_shutdown_timeout_s,
             },
         ),
         **replica_resources(m),

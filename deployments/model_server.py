@@ -204,6 +204,16 @@ class ModelServer:
         finally:
             self._activity.set()
 
+    async def move_context(self, op: ContextOp, to: str) -> int:
+        """Send the context to replica `to` (an operator's move, context_moves.py);
+        returns how many tokens it holds."""
+        if to == self.replica_id:
+            return len(await self.context_tokens(op))
+        try:
+            return await self.moves.move(op.context_id, to)
+        finally:
+            self._activity.set()
+
     def _slot_file(self, filename: str) -> Path:
         if self.config.slot_save_path is None:
             raise NotImplementedByServerError(

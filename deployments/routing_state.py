@@ -12,7 +12,10 @@ learns to one small Ray actor per application, and reads from it what it does no
 - prefix block keys are sent in batches (`FLUSH_S`); the actor is asked for a match
   only when another router has written lately (`others`): one ingress never waits on it;
 - with other routers about, a call that may create a context claims it at the actor
-  (the first claim wins), so two ingresses creating one context at once agree on where.
+  (the first claim wins), so two ingresses creating one context at once agree on where,
+  and every context call asks it where the context is (an operator may have moved it);
+- a replica that frees a context says so (`forget`), so an operator's rebalance
+  (`plan`, context_rebalance.py) counts only the contexts replicas hold.
 
 The local maps stay the cache: a pin or prefix known here costs no round trip. The app's
 EngineRegistry starts the actor, detached: a redeployment replaces every replica of the
@@ -101,18 +104,43 @@ class RoutingState:
             held.pin(context, home)
         return home
 
-    def park(self, deployment: str, context: str, data: bytes) -> None:
-        """A draining replica's context (slot-file bytes), to be taken by the replica its
+    def park(self, deployment: str, context: str, data: bytes, to: str | None = None) -> None:
+        """A context leaving its replica (slot-file bytes), to be taken by the replica its
         next call reaches. Put in the object store from here, so that this actor owns it
-        and it outlives the replica. Its pin goes: the next call goes where the usual
-        choice sends it."""
+        and it outlives the replica. Its pin goes to `to` (an operator's move), or goes
+        (a drained replica's): the next call goes where the usual choice sends it."""
         now = time.monotonic()
         for key in [k for k, (_, at) in self.parked.items() if now - at > PARKED_S]:
             del self.parked[key]
         self.parked[(deployment, context)] = ([ray.put(data)], now)
-        held = self.pins.get(deployment)
-        if held is not None:
+        held = self.pins.setdefault(deployment, ContextPins())
+        if to is None:
             held.unpin(context)
+        else:
+            held.pin(context, to)
+
+    def forget(self, deployment: str, context: str, replica: str) -> None:
+        """`replica` freed `context`: no longer counted as held there."""
+        held = self.pins.get(deployment)
+        if held is not None and held.holder.get(context) == replica:
+            held.unpin(context)
+
+    def plan(self, deployment: str, live: Sequence[str]) -> list[tuple[str, str, str]]:
+        """Moves (context, from, to) that even out how many contexts the `live` replicas
+        hold, to within one: the least recently used of the fullest go to the emptiest."""
+        held = self.pins.get(deployment, ContextPins())
+        order = {context: i for i, context in enumerate(held.holder)}
+        counts = {r: sorted(held.held.get(r, ()), key=order.__getitem__) for r in live}
+        moves: list[tuple[str, str, str]] = []
+        while counts:
+            most = max(counts, key=lambda r: len(counts[r]))
+            least = min(counts, key=lambda r: len(counts[r]))
+            if len(counts[most]) - len(counts[least]) <= 1:
+                return moves
+            context = counts[most].pop(0)
+            counts[least].append(context)
+            moves.append((context, most, least))
+        return moves
 
     def unpark(self, deployment: str, context: str, replica: str) -> list | None:
         """The parked context, now `replica`'s (pinned there); None if none is parked."""
@@ -184,18 +212,22 @@ class SharedRouting:
         home = await self._call("claim", self.deployment, context, replica, list(live))
         return replica if home is None else home
 
+    async def plan(self, live: Sequence[str]) -> list[tuple[str, str, str]]:
+        return await self._call("plan", self.deployment, list(live)) or []
+
     async def match(self, keys: Sequence[int], live: Sequence[str]) -> tuple[list[str], int]:
         found = await self._call("match", self.deployment, list(keys), list(live))
         return ([], 0) if found is None else found
 
-    async def park(self, context: str, data: bytes) -> bool:
-        """Park a context's slot-file bytes with the shared actor. False: there is none,
-        or it did not take them in time (the context is lost)."""
+    async def park(self, context: str, data: bytes, to: str | None = None) -> bool:
+        """Park a context's slot-file bytes with the shared actor, pinned to `to` if given.
+        False: there is none, or it did not take them in time (the context is lost)."""
         actor = self._handle()
         if actor is None:
             return False
         try:
-            await asyncio.wait_for(actor.park.remote(self.deployment, context, data), PARK_S)
+            ref = actor.park.remote(self.deployment, context, data, to)
+            await asyncio.wait_for(ref, PARK_S)
             return True
         except Exception as exc:  # noqa: BLE001
             logger.warning("context %s could not be parked: %r", context, exc)
@@ -211,6 +243,12 @@ class SharedRouting:
     def pinned(self, context: str, replica: str) -> None:
         """A context was created on `replica`: sent at once."""
         self._send([(context, replica)], [])
+
+    def freed(self, context: str, replica: str) -> None:
+        """`replica` freed a context: sent at once, answer not awaited."""
+        actor = self._handle()
+        if actor is not None:
+            actor.forget.remote(self.deployment, context, replica)
 
     def sent(self, keys: list[int], replica: str) -> None:
         """A prompt with these block keys went to `replica`: sent within FLUSH_S."""

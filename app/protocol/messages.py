@@ -83,6 +83,7 @@ class ContextAction(StrEnum):
     FREE = "free"
     SAVE = "save"  # its tokens and KV to a file
     RESTORE = "restore"  # a context from a file
+    MOVE = "move"  # its tokens and KV to another replica
 
     @property
     def generates(self) -> bool:

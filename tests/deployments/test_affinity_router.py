@@ -1,6 +1,7 @@
 """The router's decisions, over replica ids and queue lengths (no Ray started). Live
 routing through Serve is covered by tests/serve/test_context_affinity.py."""
 
+import asyncio
 import random
 from collections import Counter
 
@@ -145,3 +146,84 @@ def test_routers_of_one_deployment_in_a_process_share_their_maps():
     assert a.routing.max_imbalance == 3 and a.prefixes.block_size == 8
     assert a.pins is b.pins and a.prefixes is b.prefixes
     assert a.pins is not other.pins  # context ids may repeat across models
+
+
+def _router(name: str, app: str = "test-affinity", **state):  # noqa: ANN003, ANN202
+    # The real router class, constructed as Serve constructs it (no Ray started).
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from deployments.affinity_router import AffinityRouter
+
+    r = AffinityRouter(
+        deployment_id=DeploymentID(name=name, app_name=app),
+        handle_source=DeploymentHandleSource.REPLICA,
+        self_node_id="node",
+        prefer_local_node_routing=False,
+        prefer_local_az_routing=False,
+        self_availability_zone=None,
+        use_replica_queue_len_cache=True,
+    )
+    r.initialize_state(**state)
+    return r
+
+
+class Replica:
+    """What the router asks of a departed replica: whether it still answers."""
+
+    def __init__(self, alive: bool = True) -> None:
+        self.alive = alive
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        if not self.alive:
+            raise RuntimeError("actor died")
+        return 0
+
+
+class Shared:
+    """The RoutingState's `where`, scripted: the pin changes after `moves_after` reads."""
+
+    def __init__(self, pin: str | None, then: str | None, moves_after: int) -> None:
+        self.pin, self.then, self.left, self.others = pin, then, moves_after, False
+
+    async def where(self, context: str) -> str | None:
+        self.left -= 1
+        return self.pin if self.left >= 0 else self.then
+
+
+def test_a_call_for_a_draining_replicas_context_waits_until_it_is_parked():
+    r = _router("ModelServer:drain", move_wait_s=5.0)
+    r.shared = Shared("old", None, moves_after=3)  # parked on the 4th read: pin gone
+    r.departed["old"] = (Replica(), __import__("time").monotonic())
+    op = ContextOp("c", ContextAction.GENERATE)
+    assert asyncio.run(r._learn_pins(op, {"new"})) is False
+    assert r.shared.left < 0  # it waited for the park, not the first answer
+
+    r.shared = Shared("old", "new", moves_after=2)  # an operator's move: pinned on
+    assert asyncio.run(r._learn_pins(op, {"new"})) is True
+    assert r.pins.holder["c"] == "new"
+
+
+def test_a_dead_or_long_gone_replica_is_not_waited_for():
+    import time
+
+    r = _router("ModelServer:dead", move_wait_s=5.0)
+    r.shared = Shared("old", "old", moves_after=1000)
+    r.departed["old"] = (Replica(alive=False), time.monotonic())
+    started = time.monotonic()
+    assert asyncio.run(r._learn_pins(ContextOp("c", ContextAction.READ), {"new"})) is False
+    assert "old" not in r.departed and time.monotonic() - started < 1.0
+
+    r.departed["old"] = (Replica(), time.monotonic() - 10.0)  # left past move_wait_s
+    assert asyncio.run(r._await_move("c", "old")) == "old"
+
+
+def test_with_other_ingresses_the_shared_pin_wins_over_a_stale_local_one():
+    r = _router("ModelServer:moved")
+    r.pins.pin("c", "r1")
+    r.shared = Shared("r2", "r2", moves_after=1)
+    op = ContextOp("c", ContextAction.GENERATE)
+    assert asyncio.run(r._learn_pins(op, {"r1", "r2"})) is True
+    assert r.pins.holder["c"] == "r1"  # one ingress: its own pins are the truth
+    r.shared.others = True
+    assert asyncio.run(r._learn_pins(op, {"r1", "r2"})) is True
+    assert r.pins.holder["c"] == "r2"  # moved by an operator through another ingress

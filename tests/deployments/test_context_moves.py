@@ -9,7 +9,7 @@ import pytest
 
 from app.engine.async_engine import AsyncEngine
 from app.protocol import SamplingParams
-from app.protocol.errors import CapacityError
+from app.protocol.errors import CapacityError, ConflictError, NotFoundError
 from app.protocol.messages import ContextAction, ContextOp, EngineRequest
 from deployments.context_moves import ContextMoves
 from deployments.routing_state import RoutingState, SharedRouting
@@ -28,8 +28,10 @@ class InProcessLink(SharedRouting):
     async def _call(self, method: str, *args):  # noqa: ANN002, ANN202
         return getattr(self.state, method)(*args)
 
-    async def park(self, context: str, data: bytes) -> bool:
+    async def park(self, context: str, data: bytes, to: str | None = None) -> bool:
         self.state.parked[("M", context)] = ([data], 0.0)
+        if to is not None:
+            self.state.push("mover", "M", pins=[(context, to)])
         return True
 
     async def unpark(self, context: str, replica: str) -> bytes | None:
@@ -101,3 +103,45 @@ def test_a_context_that_does_not_fit_stays_parked_and_one_of_another_model_is_dr
     finally:
         source.shutdown()
         small.shutdown()
+
+
+def test_an_operator_move_sends_a_live_context_to_the_named_replica(tiny_llama):
+    state = RoutingState()
+    source = AsyncEngine(tiny_engine(tiny_llama))
+    target = AsyncEngine(tiny_engine(tiny_llama))
+    unmoved = AsyncEngine(tiny_engine(tiny_llama))
+    a = ContextMoves(source, InProcessLink(state), "r1")
+    b = ContextMoves(target, InProcessLink(state), "r2")
+    plain = ContextMoves(unmoved, None, "r3")
+
+    async def scenario() -> None:
+        history = list(range(5, 40))
+        await generate(source, a, "ctx", history)
+        await generate(unmoved, plain, "ctx", history)
+        assert await a.move("ctx", "r2") == len(history) + GREEDY.max_tokens
+        assert state.where("M", "ctx") == "r2" and "ctx" not in a.held
+        with pytest.raises(NotFoundError):
+            await source.context_tokens("ctx")  # freed where it was
+        with pytest.raises(NotFoundError):
+            await a.move("ctx", "r2")  # not held here any more
+        before = (await target.stats())["num_prompt_tokens"]
+        moved = await generate(target, b, "ctx", [7, 8])
+        assert (await target.stats())["num_prompt_tokens"] - before <= 4
+        assert moved == await generate(unmoved, plain, "ctx", [7, 8])
+
+        # A context in use is not moved (409): it stays, nothing parked.
+        long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+        op = ContextOp("busy", ContextAction.GENERATE)
+        a.seen(op)
+        stream = source.generate(EngineRequest("q-busy", [1, 2, 3], long, context=op))
+        await stream.__anext__()
+        with pytest.raises(ConflictError):
+            await a.move("busy", "r2")
+        assert "busy" in a.held and ("M", "busy") not in state.parked
+        await stream.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for engine in (source, target, unmoved):
+            engine.shutdown()

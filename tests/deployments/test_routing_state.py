@@ -43,3 +43,27 @@ def test_without_the_actor_a_router_knows_only_itself():
     shared.pinned("ctx", "r1")
     shared.sent([1, 2], "r1")
     assert shared.others is False
+
+
+def test_a_rebalance_plan_evens_out_the_live_replicas_least_recently_used_first():
+    state = RoutingState()
+    pins = [(f"c{i}", "r1") for i in range(7)] + [("d0", "r2"), ("x", "dead")]
+    state.push("a", "M", pins=pins)
+    plan = state.plan("M", ["r1", "r2", "r3"])
+    assert plan == [("c0", "r1", "r3"), ("c1", "r1", "r2"), ("c2", "r1", "r3"), ("c3", "r1", "r2")]
+    assert state.plan("M", ["r1"]) == [] and state.plan("other", ["r1", "r2"]) == []
+    for i in range(4):  # freed where they were: no longer counted
+        state.forget("M", f"c{i}", "r1")
+    state.forget("M", "d0", "r1")  # pinned elsewhere (made again there): kept
+    assert state.where("M", "d0") == "r2"
+    assert state.plan("M", ["r1", "r2", "r3"]) == [("c4", "r1", "r3")]
+
+
+def test_a_context_parked_for_a_named_replica_is_pinned_there(monkeypatch):
+    monkeypatch.setattr(routing_state.ray, "put", lambda data: data)  # no Ray here
+    state = RoutingState()
+    state.push("a", "M", pins=[("c", "r1"), ("d", "r1")])
+    state.park("M", "c", b"slot", to="r2")
+    state.park("M", "d", b"slot")  # drained: no replica named
+    assert state.where("M", "c") == "r2" and state.where("M", "d") is None
+    assert state.unpark("M", "c", "r2") == [b"slot"]

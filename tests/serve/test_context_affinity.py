@@ -161,12 +161,17 @@ def test_shared_prefixes_reach_the_replica_that_cached_them(pair_url):
 
 
 def contexts_held(pair_url: str) -> dict[str, int]:
+    return per_replica("num_contexts")
+
+
+def per_replica(figure: str) -> dict[str, int]:
+    """One of the model replicas' figures, by replica (asked until both answered)."""
     handle = serve.get_deployment_handle(f"ModelServer:{MODEL}", app_name="pair")
-    held: dict[str, int] = {}
-    for _ in range(30):
+    seen: dict[str, int] = {}
+    for _ in range(40):
         stats = handle.stats.remote().result(timeout_s=30)
-        held[stats["replica"]] = stats["num_contexts"]
-    return held
+        seen[stats["replica"]] = stats[figure]
+    return seen
 
 
 def test_concurrent_calls_creating_one_context_create_it_once(pair_url):
@@ -221,6 +226,88 @@ def test_a_replica_whose_engine_died_gets_no_more_traffic(pair_url):
 
     statuses = asyncio.run(burst())
     assert statuses == [200] * 30, statuses
+
+
+def test_an_operator_moves_contexts_and_evens_them_out(pair_url):
+    """/api/inference/move sends a live context to the other replica: its next Generate
+    computes only its new tokens and says what an unmoved context says. With all six on
+    one replica, /api/inference/rebalance moves three to the other."""
+    import ray
+
+    wait_for_model_replicas(pair_url, 2)
+    routing = ray.get_actor("routing:pair", namespace="shoal")
+    where = lambda cid: ray.get(routing.where.remote(f"ModelServer:{MODEL}", str(cid)))  # noqa: E731
+    greedy = {"temperature": 0, "max_gen_length": 4}
+    story = "Log {}: the night ferry left the harbour with its lamps lit and its deck empty"
+    contexts = [9700 + i for i in range(6)]
+    for i, cid in enumerate(contexts):
+        ids = {"session_id": 6, "task_id": i, "context_id": cid}
+        assert post(pair_url, "/fill", {**ids, "text": story.format(i)}).status_code == 200
+    homes = {cid: where(cid) for cid in contexts}
+    engines = httpx.get(f"{pair_url}/engines", timeout=30).json()
+    replicas = sorted({e["engine_id"] for e in engines["engines"]})
+    assert len(replicas) == 2 and set(homes.values()) <= set(replicas), (homes, engines)
+    first = replicas[0]
+
+    def operator(path: str, **params: object) -> httpx.Response:
+        return httpx.post(f"{pair_url}/api/inference/{path}", params=params, timeout=120)
+
+    before = prompt_tokens(pair_url)
+    for cid in contexts:  # all onto the first replica
+        if homes[cid] != first:
+            r = operator("move", alias=MODEL, context_id=str(cid), to=first)
+            assert r.status_code == 200, r.text
+            assert r.json()["tokens"] > 10
+        assert where(cid) == first
+    texts = []
+    for i, cid in enumerate(contexts):
+        ids = {"session_id": 6, "task_id": 100 + i, "context_id": cid}
+        r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["generated_text"])
+    computed = sum(prompt_tokens(pair_url).values()) - sum(before.values())
+    assert computed <= 2 * len(contexts), computed  # not their histories again
+
+    r = operator("rebalance", alias=MODEL)
+    assert r.status_code == 200, r.text
+    moved = r.json()["moved"]
+    assert len(moved) == 3 and r.json()["skipped"] == [], r.json()
+    assert {m["from"] for m in moved} == {first} and {m["to"] for m in moved} == {replicas[1]}
+    assert sorted(where(cid) for cid in contexts) == sorted(replicas * 3)
+    before = prompt_tokens(pair_url)
+    for i, cid in enumerate(contexts):
+        ids = {"session_id": 6, "task_id": 300 + i, "context_id": cid}
+        r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+        assert r.status_code == 200, r.text
+    computed = sum(prompt_tokens(pair_url).values()) - sum(before.values())
+    assert computed <= 2 * len(contexts), computed
+    for i in range(len(contexts)):  # each said what one never moved says
+        ids = {"session_id": 6, "task_id": 200 + i, "context_id": 9800 + i}
+        assert post(pair_url, "/fill", {**ids, "text": story.format(i)}).status_code == 200
+        r = post(pair_url, "/generate", {**ids, "sampling_config": greedy})
+        assert r.json()["generated_text"] == texts[i], i
+    for cid in [*contexts, *range(9800, 9806)]:
+        assert post(pair_url, "/free_context", {"context_id": cid}).status_code == 200
+    assert operator("move", alias=MODEL, context_id="nope", to=first).status_code == 404
+    assert operator("move", alias=MODEL, context_id="9700", to="r9").status_code == 400
+    assert operator("rebalance", alias="no-such-model").status_code == 404
+
+
+def wait_for_model_replicas(pair_url: str, n: int) -> None:
+    deadline = time.time() + 300
+    while True:
+        status = serve.status().applications["pair"]
+        replicas = status.deployments[f"ModelServer:{MODEL}"].replica_states
+        engines = httpx.get(f"{pair_url}/engines", timeout=30).json()
+        if replicas == {"RUNNING": n} and len(engines["engines"]) == n:
+            return
+        assert time.time() < deadline, (status, engines)
+        time.sleep(1)
+
+
+def prompt_tokens(pair_url: str) -> dict[str, int]:
+    """Prompt tokens computed so far by each model replica."""
+    return per_replica("num_prompt_tokens")
 
 
 def test_contexts_move_when_their_replica_is_drained(pair_url, database):

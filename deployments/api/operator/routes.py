@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments import context_rebalance
 from deployments.api.operator_calls import OperatorAction, manage, operator_call
 from deployments.http.caller import caller_of
 from deployments.http.host_detail import without_host_detail
@@ -124,6 +125,21 @@ async def inference_stop(ingress: IngressDep, alias: Alias) -> dict:
 @router.get("/api/inference/reset", dependencies=[OperatorAction])
 async def inference_reset(ingress: IngressDep, alias: Alias) -> dict:
     return await manage(ingress, "inference.reset", alias)
+
+
+# ---- contexts moved between a model's replicas (deployments/context_rebalance.py) ------
+Context = Annotated[str, Query(alias="context_id", min_length=1, max_length=256)]
+Replica = Annotated[str, Query(min_length=1, max_length=256)]
+
+
+@router.post("/api/inference/move", dependencies=[OperatorAction])
+async def inference_move(ingress: IngressDep, alias: Alias, context: Context, to: Replica) -> dict:
+    return await context_rebalance.move(ingress, ingress.model(alias).name, context, to)
+
+
+@router.post("/api/inference/rebalance", dependencies=[OperatorAction])
+async def inference_rebalance(ingress: IngressDep, alias: Alias) -> dict:
+    return await context_rebalance.rebalance(ingress, ingress.model(alias).name)
 
 
 # ---- shutdown and logs ------------------------------------------------------------------
