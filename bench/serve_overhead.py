@@ -310,6 +310,29 @@ def wait_healthy(url: str, timeout_s: float = 300) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s}s")
 
 
+def bench_kv_offload_pair(config, levels: list[tuple[int, int]], max_tokens: int) -> None:  # noqa: ANN001
+    """The same in-process runs with the second KV tier off, then on (`auto`: a disk tier
+    on a CPU), one after the other: the tier only writes what the cache evicts, and
+    these requests fit, so the two should match."""
+    model = config.models[0]
+    runs = {}
+    for offload in ("off", "auto"):
+        engine = model.engine.model_copy(update={"kv_offload": offload})
+        changed = config.model_copy(
+            update={"models": [model.model_copy(update={"engine": engine})]}
+        )
+        print(f"kv_offload {offload}")
+        runs[offload] = bench_in_process(changed, levels, max_tokens)
+        gc.collect()
+    result = {"levels": {}}
+    for n, _ in levels:
+        off, on = runs["off"][n]["tok_s"], runs["auto"][n]["tok_s"]
+        result["levels"][n] = {"off": runs["off"][n], "on": runs["auto"][n]}
+        result[f"tier_on_over_off_{n}"] = round(on / off, 3)
+        print(f"N={n:<3} tier off {off:.1f} tok/s, on {on:.1f} tok/s: {on / off:.3f}")
+    print(json.dumps(result))
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -326,6 +349,12 @@ def main() -> None:
     )
     parser.add_argument("--quantization", default=None, help="EngineConfig.quantization")
     parser.add_argument("--kv-cache-dtype", default=None, help="EngineConfig.kv_cache_dtype")
+    parser.add_argument(
+        "--kv-offload-pair",
+        action="store_true",
+        help="only the in-process side, with the second KV tier off and on (auto): what "
+        "the tier costs when nothing is evicted",
+    )
     parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
     parser.add_argument("--llama-port", type=int, default=None, help="default: a free one")
     parser.add_argument(
@@ -351,6 +380,9 @@ def main() -> None:
         settings["models"] = [model]
     config = AppConfig.model_validate(settings)
     print(f"model {config.models[0].name}, threads {config.models[0].engine.threads}")
+    if args.kv_offload_pair:
+        bench_kv_offload_pair(config, levels, args.max_tokens)
+        return
     if args.serve_only:
         bench_serve(config, levels, args.max_tokens, args.port, args.direct_ingress)
         return
