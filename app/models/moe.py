@@ -7,7 +7,13 @@ group goes through its expert as a batch, and each token's k weighted outputs ar
 (for k = 2 the same float32 sum transformers forms, whatever the order).
 Under tensor parallelism every shard holds a slice of every expert's intermediate
 dimension, like a dense MLP; the router is replicated.
+
+From a GGUF file on one CPU shard the experts stay quantized (`keep_quantized`,
+app/models/quant/experts.py): each projection of every active expert is then one
+kernel call over the packed weights.
 """
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +21,7 @@ from torch import nn
 
 from app.models.arch import ArchConfig
 from app.models.dense_mlp import DenseMLP, activate
+from app.models.quant.experts import QuantizedExperts
 
 
 class SparseMoE(nn.Module):
@@ -39,6 +46,15 @@ class SparseMoE(nn.Module):
                 arch.hidden_size, moe.shared_intermediate_size, arch.hidden_act
             )
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
+        self.quantized: QuantizedExperts | None = None
+
+    def keep_quantized(self) -> None:
+        """Experts from quantized checkpoint pieces (set_expert_piece), not the float
+        parameters, which go."""
+        dtype = self.expert_down.dtype
+        del self.expert_gate_up, self.expert_down
+        hidden = self.gate.in_features
+        self.quantized = QuantizedExperts(self.num_experts, self.inter, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This shard's partial sum of the experts' outputs (all-reduced by the caller)."""
@@ -53,15 +69,19 @@ class SparseMoE(nn.Module):
         order = torch.argsort(chosen.flatten(), stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()
         xs = x[order // k]  # (T*k, H)
-        ys = torch.empty_like(xs)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = slice(start, start + n)
-            g, u = F.linear(xs[rows], self.expert_gate_up[expert]).split(self.inter, dim=-1)
-            ys[rows] = F.linear(activate(g, self.act) * u, self.expert_down[expert])
-            start += n
+        if self.quantized is not None:
+            starts = [0, *itertools.accumulate(counts)]
+            ys = self.quantized.forward(xs, starts, self.act)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for expert, n in enumerate(counts):
+                if n == 0:
+                    continue
+                rows = slice(start, start + n)
+                g, u = F.linear(xs[rows], self.expert_gate_up[expert]).split(self.inter, dim=-1)
+                ys[rows] = F.linear(activate(g, self.act) * u, self.expert_down[expert])
+                start += n
         ys = (ys * weights.flatten()[order, None]).to(x.dtype)
         # Back to (token, slot) order by a gather (index_add_ on CPU goes row by row), then
         # the k slots summed.

@@ -3,7 +3,8 @@ in their place.
 
 GGUF (`quantization` auto or gguf): every linear layer and the token embedding whose
 checkpoint tensors arrive quantized in a type our kernels run (QuantizedTensor) becomes
-a QuantLinear / QuantEmbedding before the weights are loaded; an LM head tied to a
+a QuantLinear / QuantEmbedding before the weights are loaded, and a MoE layer whose
+experts do keeps them quantized (SparseMoE.keep_quantized); an LM head tied to a
 quantized embedding reads its rows. int8: after a float load, every linear layer's
 weight is quantized to Q8_0 (blocks of 32 with their own scale: finer than one scale
 per output channel, at 8.5 bits a weight).
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from app.models.moe import SparseMoE
 from app.models.quant.linear_module import QuantEmbedding, QuantLinear
 from app.models.quantized_tensor import QuantizedTensor
 from app.models.weight_loading import piece_rows, target_module
@@ -37,6 +39,9 @@ def install(model: nn.Module, targets: set[str], tied: bool) -> None:
     for name in sorted(targets):
         parent, _, attr = name.rpartition(".")
         old = model.get_submodule(name)
+        if isinstance(old, SparseMoE):  # its routed experts (app/models/quant/experts.py)
+            old.keep_quantized()
+            continue
         if isinstance(old, nn.Embedding):
             new: nn.Module = QuantEmbedding(old.num_embeddings, old.embedding_dim)
         elif isinstance(old, nn.Linear):
@@ -92,4 +97,10 @@ def allow_inexact_float32(model: nn.Module) -> None:
 
 
 def quantized_bytes(model: nn.Module) -> int:
-    return sum(m.nbytes() for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    layers = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    experts = sum(
+        m.quantized.nbytes()
+        for m in model.modules()
+        if isinstance(m, SparseMoE) and m.quantized is not None
+    )
+    return layers + experts

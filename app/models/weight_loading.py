@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from app.models.arch import ArchConfig
+from app.models.moe import SparseMoE
 from app.models.parallel import TPGroup, kv_head_range, slice_rows, vocab_range
 from app.models.quant.linear_module import QuantEmbedding, QuantLinear
 from app.models.quantized_tensor import QuantizedTensor
@@ -38,6 +39,11 @@ def load_weights(
     quantized = {
         n: m for n, m in model.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)
     }
+    moe_experts = {
+        n: m.quantized
+        for n, m in model.named_modules()
+        if isinstance(m, SparseMoE) and m.quantized is not None
+    }
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
@@ -49,6 +55,12 @@ def load_weights(
         module = quantized.get(module_name)
         if module is not None and kind == "weight":
             module.set_segment(int(key.rpartition("#")[2]) if "#" in key else 0, tensor)
+            loaded.add(key)
+            continue
+        experts = moe_experts.get(module_name)
+        if experts is not None:
+            expert, part = _expert_piece(key)
+            experts.set_piece(expert, part, tensor)
             loaded.add(key)
             continue
         if isinstance(tensor, QuantizedTensor):  # a layer we keep in floats
@@ -77,6 +89,13 @@ def expected_pieces(model: nn.Module) -> set[str]:
                 names.add(f"{name}.weight")
             else:
                 names.update(f"{name}.weight#{i}" for i in range(len(rows)))
+        if isinstance(module, SparseMoE) and module.quantized is not None:
+            names.update(
+                f"{name}.expert_gate_up#{e}.{i}"
+                for e in range(module.num_experts)
+                for i in range(2)
+            )
+            names.update(f"{name}.expert_down#{e}" for e in range(module.num_experts))
     for name, param in model.named_parameters():
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             names.update(f"{name}#{i}" for i in range(3))
@@ -89,6 +108,15 @@ def expected_pieces(model: nn.Module) -> set[str]:
         else:
             names.add(name)
     return names
+
+
+def _expert_piece(key: str) -> tuple[int, int]:
+    """(expert, part: 0 gate, 1 up, 2 down) of an expert piece's key."""
+    kind, _, piece = key.rpartition("#")
+    if kind.endswith(".expert_down"):
+        return int(piece), 2
+    expert, _, part = piece.partition(".")
+    return int(expert), int(part)
 
 
 def target_module(name: str, model: nn.Module) -> str:

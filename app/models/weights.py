@@ -126,11 +126,17 @@ def iter_gguf(
             ) from None
         if name is None:
             continue
-        if (
-            int(tensor.tensor_type) in keep_quantized
-            and len(tensor.shape) == 2
-            and "{expert}" not in name
-        ):
+        kept = int(tensor.tensor_type) in keep_quantized
+        if kept and "{expert}" in name and len(tensor.shape) == 3:
+            # (E, rows, bytes per row): each expert's rows as the file stores them
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C", copy=True))
+            for e in range(raw.shape[0]):
+                yield (
+                    name.format(expert=e),
+                    QuantizedTensor(raw[e], int(tensor.tensor_type), int(tensor.shape[0])),
+                )
+            continue
+        if kept and len(tensor.shape) == 2 and "{expert}" not in name:
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C", copy=True))
             weight = QuantizedTensor(raw, int(tensor.tensor_type), int(tensor.shape[0]))
             if permuted and ".q_proj." in name:

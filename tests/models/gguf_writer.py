@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tests.helpers import TINY_EOS
+from tests.models.k_quants import quantize_q4_k
 
 # HF architecture -> llama.cpp's (Mistral and Mixtral are "llama" files)
 _ARCHS = {
@@ -35,10 +36,12 @@ def write_gguf(
     path: Path,
     extra: dict[str, Any] | None = None,
     qtype: "gguf.GGMLQuantizationType | None" = None,
+    expert_qtype: "gguf.GGMLQuantizationType | None" = None,
 ) -> Path:
     """Convert the checkpoint in `checkpoint` (config.json + model.safetensors) to `path`;
     `extra`: more tensors (GGUF name -> numpy array) written as they are; `qtype`: weight
-    matrices quantized to that type (norms and stacked experts stay float32)."""
+    matrices quantized to that type (norms stay float32), `expert_qtype`: the stacked
+    experts (else float32)."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -56,9 +59,10 @@ def write_gguf(
         if gguf_name is None:  # llama.cpp's converter refuses such a checkpoint too
             raise ValueError(f"llama.cpp has no name for {name} in a {arch.name} file")
         array = tensor.float().contiguous().numpy()
-        if qtype is not None and array.ndim == 2 and array.shape[1] % 32 == 0:
-            raw = gguf.quants.quantize(array, qtype)
-            writer.add_tensor(f"{gguf_name}.{kind}", raw, raw_dtype=qtype)
+        chosen = expert_qtype if array.ndim == 3 else qtype
+        if chosen is not None and array.ndim >= 2 and array.shape[-1] % _block(chosen) == 0:
+            raw = quantize(array, chosen)
+            writer.add_tensor(f"{gguf_name}.{kind}", raw, raw_dtype=chosen)
         else:
             writer.add_tensor(f"{gguf_name}.{kind}", array)
     for name, array in [*_rope_factor_tensors(arch, config), *(extra or {}).items()]:
@@ -68,6 +72,17 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def quantize(array: np.ndarray, qtype: "gguf.GGMLQuantizationType") -> np.ndarray:
+    """Rows of `array` in GGML type `qtype` (gguf-py's quantizers; ours for Q4_K)."""
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(array)
+    return gguf.quants.quantize(array, qtype)
+
+
+def _block(qtype: "gguf.GGMLQuantizationType") -> int:
+    return gguf.GGML_QUANT_SIZES[qtype][0]
 
 
 def _rope(config: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:

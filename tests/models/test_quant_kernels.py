@@ -314,3 +314,43 @@ def test_int8_rows_are_the_same_bits_at_any_row_count(built, qtype):
     slices = ((0, 1), (3, 5), (7, 10), (20, 24), (30, 35), (40, 46), (80, 87), (61, 70), (0, 130))
     for start, stop in slices:
         assert torch.equal(product(x[start:stop]), together[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("activations", [FLOAT, 0], ids=["float", "auto"])
+def test_grouped_experts_are_each_experts_own_product(built, qtype, activations):
+    """Experts stacked in one weight, rows grouped by expert (some experts get none, one
+    more than the float GEMV's rows, so it takes the tiles): one call gives each row
+    what quant_matmul gives it against its expert, to the bit."""
+    experts, m, k = 6, 64, 768
+    raw, _ = weights(qtype, experts * m, k)
+    packed = pack(raw, qtype)
+    qt, parts = packed.kernel_args
+    counts = [3, 0, 1, 20, 0, 7]
+    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    x = torch.randn(starts[-1], k)
+    got = torch.full((starts[-1], m), float("nan"))
+    built.quant_grouped_matmul(x, qt, parts, experts * m, k, starts, got, activations)
+    for e in range(experts):
+        if counts[e]:
+            expert_qt, expert_parts = packed.rows(e * m, (e + 1) * m).kernel_args
+            want = torch.empty(counts[e], m)
+            rows = x[starts[e] : starts[e + 1]]
+            built.quant_matmul(rows, expert_qt, expert_parts, m, k, want, 0, 0, activations)
+            assert torch.equal(got[starts[e] : starts[e + 1]], want), e
+    with pytest.raises(RuntimeError, match="starts"):
+        built.quant_grouped_matmul(x, qt, parts, experts * m, k, [0, 5], got, activations)
+    with pytest.raises(RuntimeError, match="experts of whole row groups"):
+        built.quant_grouped_matmul(x, qt, parts, experts * m, k, [0] * 5 + [31], got, activations)
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q4_K, QuantType.Q6_K], ids=lambda q: q.name)
+def test_grouped_experts_fallback_without_kernels(monkeypatch, qtype):
+    experts, m, k = 3, 8, 256
+    raw, w = weights(qtype, experts * m, k)
+    packed = pack(raw, qtype)
+    monkeypatch.setattr(quant, "load", lambda build="native": None)
+    x = torch.randn(5, k)
+    out = quant.grouped_matmul(x, packed, [0, 2, 2, 5])
+    check(out[:2], x[:2], w[:m])
+    check(out[2:], x[2:], w[2 * m :])

@@ -3,6 +3,7 @@ so a decode step reads each weight byte once instead of a bfloat16 copy 2-3x its
 
     packed = pack(raw_rows, QuantType.Q4_1)       # lossless; unpack() gives the bytes back
     matmul(x, packed, out=fused[:, 0:576])        # out = x @ W^T, out may be a column slice
+    grouped_matmul(xs, experts, starts)           # each expert's rows of xs @ its W^T
     embedding(ids, packed, torch.bfloat16)        # dequantised rows
 
 By default x is rounded to int8 per 32-block where the type has an integer kernel (Q4_0,
@@ -45,6 +46,7 @@ __all__ = [
     "dequantize",
     "dequantize_packed",
     "embedding",
+    "grouped_matmul",
     "load",
     "matmul",
     "nbytes",
@@ -134,6 +136,30 @@ def matmul(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
         activations = 1 if float_activations else 0  # kernels.cpp's kFloat, kAuto
         qtype, parts = packed.kernel_args  # converted once: a decode step makes ~120 calls
         module.quant_matmul(x, qtype, parts, packed.n, packed.k, out, 0, 0, activations)
+    return out
+
+
+def grouped_matmul(
+    x: torch.Tensor, packed: PackedWeight, starts: list[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Experts stacked in `packed` (E = len(starts) - 1 of packed.n // E rows each): rows
+    starts[e]..starts[e + 1] - 1 of x (grouped by expert) times expert e's W^T, in one
+    call, into out (R, packed.n // E). Each row's result is what `matmul` gives it."""
+    experts = len(starts) - 1
+    rows = packed.n // experts
+    if out is None:
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    module = load()
+    if module is None:
+        for e in range(experts):
+            if starts[e + 1] > starts[e]:
+                expert = packed.rows(e * rows, (e + 1) * rows)
+                part = out[starts[e] : starts[e + 1]]
+                part.copy_(x[starts[e] : starts[e + 1]].float() @ dequantize_packed(expert).T)
+    else:
+        activations = 1 if float_activations else 0
+        qtype, parts = packed.kernel_args
+        module.quant_grouped_matmul(x, qtype, parts, packed.n, packed.k, starts, out, activations)
     return out
 
 

@@ -95,31 +95,48 @@ inline void add_offsets(const float* off, const float* sxe, int64_t n, int64_t t
   }
 }
 
-// The GEMV's frame, whatever the activations: threads split the row groups; per group its
-// scales, then x's rows max_t (<= kMaxT) at a time: pass(g, t0, tt, scale, off, res) fills
-// res[r * tt + t] for the group's kG rows without offset terms (unless offsets_in_pass),
-// which come from sxe ((T, kb * kG), per-block sums of x as add_offsets reads them); then
-// the rows go to out ((T, N), rows ldo apart).
+// A run of x's rows [t0, t1) multiplied by a run of W's row groups [g0, g1), written to
+// out's columns from 0: a dense product is one segment (every row, every group); experts
+// stacked in one weight (grouped_matmul) one per expert that received rows.
+struct Segment {
+  int64_t t0, t1, g0, g1;
+};
+
+// The GEMV's frame, whatever the activations: threads split the segments' row groups
+// (one flat range, so small experts do not each pay a thread team); per group its
+// scales, then the segment's rows of x max_t (<= kMaxT) at a time: pass(g, t0, tt, scale,
+// off, res) fills res[r * tt + t] for the group's kG rows without offset terms (unless
+// offsets_in_pass), which come from sxe ((T, kb * kG), per-block sums of x as add_offsets
+// reads them); then the rows go to out ((T, N), rows ldo apart). No segments: one
+// segment of all T rows and all groups.
 template <class F, class O, class Pass>
 void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sxe, O* out, int64_t ldo,
-                    const Pass& pass, int max_t = kMaxT, bool offsets_in_pass = false) {
-  const int64_t kb = K / 32, groups = (N + kG - 1) / kG;
+                    const Pass& pass, int max_t = kMaxT, bool offsets_in_pass = false,
+                    std::vector<Segment> segments = {}) {
+  const int64_t kb = K / 32;
+  if (segments.empty()) segments.push_back({0, T, 0, (N + kG - 1) / kG});
+  std::vector<int64_t> first(segments.size() + 1, 0);  // each segment's first flat index
+  for (size_t s = 0; s < segments.size(); ++s) first[s + 1] = first[s] + segments[s].g1 - segments[s].g0;
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first.back(), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scale(kb * F::kSubs * kG), off(F::kOffset ? kb * kG : 0);
     float res[kG * kMaxT];
-    for (int64_t g = begin; g < end; ++g) {
+    size_t s = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t i = begin; i < end; ++i) {
+      while (i >= first[s + 1]) ++s;
+      const Segment& seg = segments[s];
+      const int64_t g = seg.g0 + (i - first[s]), col = (g - seg.g0) * kG;
       const int rows = int(std::min<int64_t>(kG, N - g * kG));  // the last group may be padded
       f.scales(g, scale.data(), off.data());
       // Past max_t rows of x, each pass over the group reads it from L1, not memory.
-      for (int64_t t0 = 0; t0 < T; t0 += max_t) {
-        const int tt = int(std::min<int64_t>(max_t, T - t0));
+      for (int64_t t0 = seg.t0; t0 < seg.t1; t0 += max_t) {
+        const int tt = int(std::min<int64_t>(max_t, seg.t1 - t0));
         pass(g, t0, tt, scale.data(), off.data(), res);
         if constexpr (F::kOffset)
           if (!offsets_in_pass) add_offsets(off.data(), sxe + t0 * kb * kG, kb * kG, tt, res);
         for (int r = 0; r < rows; ++r)
-          for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + g * kG + r] = static_cast<O>(res[r * tt + t]);
+          for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + col + r] = static_cast<O>(res[r * tt + t]);
       }
     }
   });
@@ -127,7 +144,8 @@ void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sx
 
 // Float activations: x is (T, K) contiguous float32.
 template <class F, class O>
-void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo) {
+void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo,
+          const std::vector<Segment>& segments = {}) {
   const int64_t kb = K / 32;
   std::vector<float> sxe(F::kOffset ? T * kb * kG : 0);  // (T, kb, kG): sums of x per block
   for (int64_t i = 0; i < int64_t(sxe.size()) / kG; ++i) {
@@ -139,7 +157,7 @@ void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, i
   for_each_group(f, N, K, T, sxe.data(), out, ldo, [&](int64_t g, int64_t t0, int tt, const float* scale, const float*, float* res) {
     for (int r0 = 0; r0 < kG; r0 += group_rows(tt))  // padded rows are zeros: safe to read
       kRowsFn<F>[tt - 1](f, g, r0, kb, x + t0 * K, K, scale, res + r0 * tt);
-  });
+  }, kMaxT, false, segments);
 }
 
 }  // namespace shoal_quant

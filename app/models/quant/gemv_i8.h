@@ -276,7 +276,8 @@ inline void int_pass_plain(Ints ints, int tt, const void* q, int64_t kb, const Q
 
 // out (T, N) = x @ W^T with x rounded to int8 per block; x (T, K) contiguous float32.
 template <class F, class O>
-void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo) {
+void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, int64_t ldo,
+             const std::vector<Segment>& segments = {}) {
   static_assert(F::kInts != Ints::kNone && F::kSubs == 1, "a format with one scale per 32-block of quants");
   constexpr bool nibbles = F::kInts == Ints::kNibbles;
   const QuantizedX qx = quantize_x(x, T, K, nibbles, F::kOffset);
@@ -300,7 +301,7 @@ void gemv_i8(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out
                    int_pass_plain(F::kInts, tt, q, kb, qx, t0, scale, res);
 #endif
                  },
-                 kIntMaxT, offsets_in_pass);
+                 kIntMaxT, offsets_in_pass, segments);
 }
 
 }  // namespace shoal_quant

@@ -47,8 +47,9 @@ void dequant_rows(const F& f, int64_t g, int r0, int r1, int64_t kb, const float
   }
 }
 
+// g0: the weight's rows start at row group g0 of f (one expert of a stacked weight).
 template <class F>
-void tiled(const F& f, int64_t N, int64_t K, const Tensor& xf, Tensor& out, int64_t tile_rows) {
+void tiled(const F& f, int64_t N, int64_t K, const Tensor& xf, Tensor& out, int64_t tile_rows, int64_t g0 = 0) {
   const int64_t kb = K / 32, T = xf.size(0);
   int64_t rows = tile_rows;
   if (rows <= 0) {
@@ -73,8 +74,8 @@ void tiled(const F& f, int64_t N, int64_t K, const Tensor& xf, Tensor& out, int6
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * rows, r = std::min(rows, N - n0);
       for (int64_t g = n0 / kG; g * kG < n0 + r; ++g) {
-        f.scales(g, scale.data(), off.data());
-        dequant_rows(f, g, 0, int(std::min<int64_t>(kG, N - g * kG)), kb, scale.data(), off.data(),
+        f.scales(g0 + g, scale.data(), off.data());
+        dequant_rows(f, g0 + g, 0, int(std::min<int64_t>(kG, N - g * kG)), kb, scale.data(), off.data(),
                      w + (g * kG - n0) * K);
       }
       Tensor dst = direct ? out.narrow(1, n0, r) : at::empty({T, r}, xf.options());
@@ -172,6 +173,56 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
   matmul_into(xf, qtype, parts, n, k, out, mode, tile_rows, activations);
 }
 
+// Experts stacked in one packed weight of n = E * m rows (expert e's rows e*m..e*m+m-1,
+// m a multiple of kG): x's rows starts[e]..starts[e+1]-1 (grouped by expert) times expert
+// e, into out (R, m). One call for every expert: the GEMV's threads split all the experts'
+// row groups together. Each row's arithmetic is quant_matmul's for that row and expert
+// (the same bits: int8 activations round per row, and the float GEMV sums per row too);
+// float32 x past the format's kFloatGemvMaxT rows of one expert takes the tiles as
+// quant_matmul does.
+void quant_grouped_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                          const std::vector<int64_t>& starts, Tensor out, int64_t activations) {
+  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
+  check_float(x, "x");
+  check_float(out, "out");
+  const int64_t E = int64_t(starts.size()) - 1, R = x.size(0);
+  TORCH_CHECK(E >= 1 && n % E == 0 && (n / E) % kG == 0, "n=", n, " is not ", E, " experts of whole row groups");
+  const int64_t m = n / E;
+  TORCH_CHECK(starts.front() == 0 && starts.back() == R, "starts must run from 0 to x's ", R, " rows");
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(starts[e] <= starts[e + 1], "starts must not decrease");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (R, ", k, "), got ", x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == m && out.stride(1) == 1, "out must be (", R,
+              ", ", m, ") with unit column stride, got ", out.sizes());
+  const Tensor xf = x.to(at::kFloat).contiguous();
+  with_format(qtype, parts, n, k, [&](const auto& f) {
+    using F = std::decay_t<decltype(f)>;
+    constexpr bool has_ints = F::kInts != Ints::kNone;
+    TORCH_CHECK(has_ints || activations != kInt8, "GGML type ", qtype, " has no int8-activation kernel");
+    const bool int8 = has_ints && activations != kFloat;
+    std::vector<Segment> gemv_segments;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t t0 = starts[e], t1 = starts[e + 1];
+      if (t0 == t1) continue;
+      if (int8 || t1 - t0 <= F::kFloatGemvMaxT) {
+        gemv_segments.push_back({t0, t1, e * m / kG, (e + 1) * m / kG});
+      } else {  // many rows of float32 x: dequantised tiles and at::mm
+        Tensor rows = out.narrow(0, t0, t1 - t0);
+        tiled(f, m, k, xf.narrow(0, t0, t1 - t0), rows, 0, e * m / kG);
+      }
+    }
+    if (gemv_segments.empty()) return;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_grouped_matmul", [&] {
+      if constexpr (has_ints) {
+        if (int8) {
+          gemv_i8(f, n, k, xf.data_ptr<float>(), R, out.data_ptr<scalar_t>(), out.stride(0), gemv_segments);
+          return;
+        }
+      }
+      gemv(f, n, k, xf.data_ptr<float>(), R, out.data_ptr<scalar_t>(), out.stride(0), gemv_segments);
+    });
+  });
+}
+
 void quant_embedding(const Tensor& ids, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
                      Tensor out) {
   check_float(out, "out");
@@ -210,6 +261,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("qtype"), pybind11::arg("parts"), pybind11::arg("n"), pybind11::arg("k"),
         pybind11::arg("out"), pybind11::arg("mode") = 0, pybind11::arg("tile_rows") = 0,
         pybind11::arg("activations") = 0, no_gil());
+  m.def("quant_grouped_matmul", &quant_grouped_matmul,
+        "out rows of each expert = x rows @ W_e^T, experts stacked in one packed weight", no_gil());
   m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised", no_gil());
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
   shoal_quant::bind_decode_layer(m);
