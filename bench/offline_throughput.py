@@ -179,10 +179,33 @@ def load_transformers_dense(model: str, dtype: torch.dtype):
     config = load_hf_config(source)
     hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = dict(iter_weights(source, read_arch_config(config, source.name)))
-    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing, unexpected = hf.load_state_dict(fused_experts(state, hf), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
     return hf.eval()
+
+
+def fused_experts(state: dict, model: torch.nn.Module) -> dict:
+    """Per-expert tensors (experts.E.gate_proj...) as the stacked parameters transformers'
+    own MoE layers hold where it has them (experts.gate_up_proj: (E, 2I, H), gate
+    first; experts.down_proj: (E, H, I))."""
+    import re
+
+    expert = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    fused = {name for name, _ in model.named_parameters() if name.endswith(".gate_up_proj")}
+    out, groups = {}, {}
+    for name, tensor in state.items():
+        found = expert.match(name)
+        if found and f"{found.group(1)}.gate_up_proj" in fused:
+            groups.setdefault(found.group(1), {})[(int(found.group(2)), found.group(3))] = tensor
+        else:
+            out[name] = tensor
+    for prefix, parts in groups.items():
+        experts = range(1 + max(e for e, _ in parts))
+        gate_up = [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in experts])
+    return out
 
 
 # A realistic small shape (~100M parameters with a 32k vocabulary) for every family;

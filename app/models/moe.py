@@ -58,8 +58,20 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This shard's partial sum of the experts' outputs (all-reduced by the caller)."""
+        logits = self.gate(x)
+        out = None
+        if self.quantized is not None:  # one C++ call where the weights and x allow
+            out = self.quantized.routed(x, logits, self.top_k, self.normalize, self.act)
+        if out is None:
+            out = self._routed(x, logits)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out += torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def _routed(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
         weights, chosen = torch.topk(probs, k, dim=-1)  # (T, k)
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
@@ -87,8 +99,4 @@ class SparseMoE(nn.Module):
         # the k slots summed.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = ys[inverse].view(t, k, -1).sum(dim=1)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            out += torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out
+        return ys[inverse].view(t, k, -1).sum(dim=1)

@@ -40,8 +40,8 @@ def write_gguf(
 ) -> Path:
     """Convert the checkpoint in `checkpoint` (config.json + model.safetensors) to `path`;
     `extra`: more tensors (GGUF name -> numpy array) written as they are; `qtype`: weight
-    matrices quantized to that type (norms stay float32), `expert_qtype`: the stacked
-    experts (else float32)."""
+    matrices quantized to that type (norms and MoE routers stay float32, as llama-quantize
+    leaves them), `expert_qtype`: the stacked experts (else float32)."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -60,6 +60,8 @@ def write_gguf(
             raise ValueError(f"llama.cpp has no name for {name} in a {arch.name} file")
         array = tensor.float().contiguous().numpy()
         chosen = expert_qtype if array.ndim == 3 else qtype
+        if gguf_name.endswith("ffn_gate_inp"):
+            chosen = None  # the router: llama-quantize keeps it float32 too
         if chosen is not None and array.ndim >= 2 and array.shape[-1] % _block(chosen) == 0:
             raw = quantize(array, chosen)
             writer.add_tensor(f"{gguf_name}.{kind}", raw, raw_dtype=chosen)

@@ -2,7 +2,8 @@
 call per layer returns what the Python layers return, bit for bit: the same tokens and
 the same log-probabilities, whatever the batch (GEMV or tiles), the activations, a
 sliding window or a q/k/v bias. Prefix caching is off so that both runs prefill alike.
-Which models take the fused layers: the families as before, nothing ArchConfig gains."""
+Which models take the fused layers: the families as before (now with Qwen3's q/k norms
+and experts kept quantized), nothing ArchConfig gains."""
 
 import dataclasses
 from pathlib import Path
@@ -65,6 +66,10 @@ def _assert_same(engine: LLMEngine, prompts: list[list[int]]) -> None:
 
 def _prompts(batch: int) -> list[list[int]]:
     return [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(batch)]
+
+
+def _tiny_prompts(batch: int) -> list[list[int]]:  # within a tiny checkpoint's vocabulary
+    return [list(range(10 + 5 * i, 30 + 6 * i)) for i in range(batch)]
 
 
 @pytest.mark.parametrize("batch", [1, 5, 20])
@@ -158,11 +163,58 @@ def test_sliding_window_fused_equals_python(tmp_path: Path):
     _assert_same(engine, prompts)
 
 
-def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
+def test_qk_norms_fused_equals_python(tmp_path: Path):
     directory = save_family_checkpoint(tmp_path, "qwen3")  # q/k norms
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    assert not cpu_engine(path, quantization="gguf").loaded.model.model.fused_decode
+    engine = cpu_engine(path, quantization="gguf", enable_prefix_caching=False)
+    assert engine.loaded.model.model.fused_decode
+    _assert_same(engine, _tiny_prompts(5))
     assert not cpu_engine(path, quantization="none").loaded.model.model.fused_decode
+
+
+@pytest.mark.parametrize(
+    ("family", "experts", "shape"),
+    [
+        ("qwen3-moe", "Q8_0", {}),
+        ("mixtral", "Q4_0", {}),
+        ("qwen3-moe", "Q4_K", dict(hidden_size=256, moe_intermediate_size=256, num_experts=8)),
+    ],
+)
+def test_moe_fused_equals_python(tmp_path: Path, monkeypatch, family, experts, shape):
+    """Routed experts kept quantized, in the layer's one call (router float32, as
+    llama.cpp files keep it; then quantized too): the Python layer's bits, int8 and
+    float activations."""
+    directory = save_family_checkpoint(tmp_path, family, **shape)
+    q8, kind = gguf.GGMLQuantizationType.Q8_0, getattr(gguf.GGMLQuantizationType, experts)
+    path = write_gguf(directory, directory / "moe.gguf", qtype=q8, expert_qtype=kind)
+    engine = cpu_engine(path, quantization="gguf", enable_prefix_caching=False)
+    model = engine.loaded.model
+    assert model.model.fused_decode
+    assert all(isinstance(layer.mlp.gate, nn.Linear) for layer in model.model.layers)
+    _assert_same(engine, _tiny_prompts(5))
+    for layer in model.model.layers:  # a quantized router
+        w = layer.mlp.gate.weight.detach().numpy()
+        gate = QuantLinear(w.shape[1], [w.shape[0]])
+        raw = torch.from_numpy(gguf.quants.quantize(w, q8))
+        gate.set_segment(0, QuantizedTensor(raw, int(q8), w.shape[1]))
+        layer.mlp.gate = gate
+    assert fuse_decode_layers(model)
+    _assert_same(engine, _tiny_prompts(5))
+    monkeypatch.setattr(quant, "float_activations", True)
+    _assert_same(engine, _tiny_prompts(20))
+
+
+def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
+    directory = save_family_checkpoint(tmp_path, "gemma2")  # sandwich norms, soft-capping
+    path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    assert not cpu_engine(path, quantization="gguf").loaded.model.model.fused_decode
+    shared = save_family_checkpoint(tmp_path / "shared", "qwen2-moe", mlp_only_layers=[])
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    shared_gguf = write_gguf(shared, shared / "q4.gguf", qtype=q4, expert_qtype=q4)
+    assert not cpu_engine(shared_gguf, quantization="gguf").loaded.model.model.fused_decode
+    floats = save_family_checkpoint(tmp_path / "floats", "qwen3-moe")  # experts as floats
+    floats_gguf = write_gguf(floats, floats / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    assert not cpu_engine(floats_gguf, quantization="gguf").loaded.model.model.fused_decode
     llama = save_family_checkpoint(tmp_path / "llama", "mistral-window")
     llama_gguf = write_gguf(llama, llama / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     assert cpu_engine(llama_gguf, quantization="gguf").loaded.model.model.fused_decode
@@ -220,23 +272,25 @@ def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path, m
             EngineConfig(dtype=dtype, kv_cache_dtype=kv)
 
 
-# Whether each family's int8 model took the fused layers before the allowlist (the
-# denylist's decisions, computed with it); they must not change.
+# Whether each family's int8 model takes the fused layers; since the allowlist, only
+# what DecodeLayer learned may change (q/k norms: Qwen3; experts, which int8 keeps as
+# floats: those models' fields now pass, their layers still do not).
 FUSED_BEFORE = {
     "llama": True,
     "qwen2": True,  # a q/k/v bias
     "mistral": True,
     "mistral-window": True,
     "phi3": True,
-    "qwen3": False,  # q/k norms
-    "qwen3-yarn": False,
+    "qwen3": True,  # q/k norms (DecodeLayer.set_qk_norms)
+    "qwen3-yarn": True,
     "gemma2": False,  # sandwich norms, soft-capping, GELU
     "gemma3": False,  # sandwich norms, q/k norms, GELU
     "phi4-mini": False,  # partial RoPE
-    "mixtral": False,  # experts
-    "qwen2-moe": False,
-    "qwen3-moe": False,  # experts, q/k norms
+    "mixtral": False,  # experts not kept quantized under int8
+    "qwen2-moe": False,  # a shared expert
+    "qwen3-moe": False,  # experts not kept quantized under int8
 }
+FIELDS_PASS = {"mixtral": True, "qwen3-moe": True}  # ... though the layers do not fuse
 _TINY = ("llama", "qwen2", "mistral")
 
 
@@ -251,7 +305,7 @@ def test_families_fuse_as_before(tmp_path: Path, family: str):
     else:
         directory = save_family_checkpoint(tmp_path, family)
     model = cpu_engine(directory, quantization="int8").loaded.model
-    assert (not unfused_fields(model.arch)) == FUSED_BEFORE[family]
+    assert (not unfused_fields(model.arch)) == FIELDS_PASS.get(family, FUSED_BEFORE[family])
     assert model.model.fused_decode == FUSED_BEFORE[family]
 
 

@@ -60,6 +60,7 @@ float_activations = os.environ.get("SHOAL_QUANT_ACTIVATIONS", "int8") == "float"
 _SOURCES = (
     "kernels.cpp",
     "decode_layer.cpp",
+    "moe_experts.cpp",
     "formats.h",
     "gemv.h",
     "gemv_i8.h",
@@ -102,7 +103,10 @@ def _build(build: Build) -> ModuleType | None:
     try:
         return build_extension(
             f"shoal_quant_kernels_{build}_{_build_signature(build)}",
-            [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "decode_layer.cpp")],
+            [
+                str(Path(__file__).with_name(name))
+                for name in ("kernels.cpp", "decode_layer.cpp", "moe_experts.cpp")
+            ],
             ["-O3", "-march=native", "-fopenmp", *_BUILD_FLAGS[build]],
             ["-fopenmp"],
         )

@@ -1,5 +1,7 @@
 // A whole pre-norm decoder layer in one call (app/models/quant/fused_decode.py):
 //   h' + mlp(norm2(h')) where h' = h + o(attention(rope(qkv(norm1(h)))))
+// with, where set after construction, RMSNorm over each query and key head before RoPE
+// (Qwen3) and routed experts for the MLP (moe_experts.cpp: Qwen3-MoE, Mixtral).
 // for a step whose every token goes through the decode kernel (decodes; prompt tokens too
 // under TorchPagedAttention.token_by_token), on quantised weights and float32 hidden states.
 //
@@ -13,6 +15,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../cpu_kernels/decode_attention.h"
@@ -79,8 +82,28 @@ class DecodeLayer {
                 "norm weights must be float32");
     TORCH_CHECK(nkv_ > 0 && nh_ % nkv_ == 0 && (!shoal_cpu::kVectorized || hd_ % 16 == 0),
                 "query heads must be a multiple of kv heads (and head_dim of 16 with AVX-512)");
-    TORCH_CHECK(qkv_.n == (nh_ + 2 * nkv_) * hd_ && o_.n == hidden && down_.n == hidden && gate_up_.n % 2 == 0,
+    // No dense MLP (both empty): set_moe gives the layer its experts.
+    TORCH_CHECK(qkv_.n == (nh_ + 2 * nkv_) * hd_ && o_.n == hidden &&
+                    ((down_.n == hidden && gate_up_.n % 2 == 0) || (down_.n == 0 && gate_up_.n == 0)),
                 "layer shapes do not fit: qkv ", qkv_.n, ", o ", o_.n, ", gate_up ", gate_up_.n, ", down ", down_.n);
+  }
+
+  void set_qk_norms(Tensor q_norm, Tensor k_norm) {
+    TORCH_CHECK(q_norm.scalar_type() == at::kFloat && k_norm.scalar_type() == at::kFloat && q_norm.numel() == hd_ &&
+                    k_norm.numel() == hd_,
+                "q/k norm weights must be (head_dim,) float32");
+    qk_norms_ = {q_norm.contiguous(), k_norm.contiguous()};
+  }
+
+  // The router: packed runs (a quantized gate) or, with none, a float weight (E, hidden).
+  void set_moe(const std::vector<RunSpec>& router, std::optional<Tensor> router_weight, int64_t top_k,
+               bool normalize, int64_t gu_qtype, std::vector<Tensor> gu_parts, int64_t dn_qtype,
+               std::vector<Tensor> dn_parts, int64_t inter) {
+    TORCH_CHECK(down_.n == 0 && (router.empty() != !router_weight.has_value()),
+                "a MoE layer has no dense MLP, and one router");
+    router_ = Linear(router);
+    router_weight_ = std::move(router_weight);
+    moe_ = MoeWeights{top_k, normalize, gu_qtype, std::move(gu_parts), dn_qtype, std::move(dn_parts), inter};
   }
 
   // h (T, hidden) float32, one decode token per row; cos/sin (T, head_dim) float32; slots
@@ -103,8 +126,13 @@ class DecodeLayer {
     const int64_t T = h.size(0), q_size = nh_ * hd_, kv_size = nkv_ * hd_;
     Tensor x = at::empty_like(h);
     shoal_cpu::rms_norm_impl<float>(x, h, input_norm_, eps_);
+    TORCH_CHECK(moe_ || down_.n > 0, "the layer has no MLP");
     Tensor qkv = qkv_(x, activations);
     if (qkv_bias_) qkv += *qkv_bias_;
+    if (qk_norms_) {
+      norm_heads(qkv, 0, nh_, qk_norms_->first);
+      norm_heads(qkv, q_size, nkv_, qk_norms_->second);
+    }
     shoal_cpu::rotary_impl<float>(qkv, cos, sin, nh_ + nkv_);
     const Tensor k = qkv.narrow(1, q_size, kv_size).view({T, nkv_, hd_});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, nkv_, hd_});
@@ -118,12 +146,27 @@ class DecodeLayer {
     });
     const Tensor h1 = h + o_(attn.view({T, q_size}), activations);
     shoal_cpu::rms_norm_impl<float>(x, h1, post_attention_norm_, eps_);
+    if (moe_) {
+      const Tensor logits = router_weight_ ? at::linear(x, *router_weight_) : router_(x, activations);
+      return h1 + moe_experts(x, logits, *moe_, activations);
+    }
     const Tensor gate_up = gate_up_(x, activations);
     const Tensor hidden = shoal_cpu::silu_mul(gate_up);
     return h1 + down_(hidden, activations);
   }
 
  private:
+  // RMSNorm over each of `heads` heads at column `offset` of qkv, in place, as the Python
+  // path does it (Attention._norm_heads: the heads as rows of a copy, normed, copied back).
+  void norm_heads(Tensor& qkv, int64_t offset, int64_t heads, const Tensor& weight) const {
+    const int64_t T = qkv.size(0);
+    Tensor part = qkv.narrow(1, offset, heads * hd_);
+    const Tensor rows = part.reshape({T * heads, hd_});
+    Tensor normed = at::empty_like(rows);
+    shoal_cpu::rms_norm_impl<float>(normed, rows, weight, eps_);
+    part.copy_(normed.view({T, heads * hd_}));
+  }
+
   Tensor input_norm_, post_attention_norm_;
   double eps_;
   Linear qkv_;
@@ -132,6 +175,10 @@ class DecodeLayer {
   int64_t nh_, nkv_, hd_;
   double scale_;
   int64_t window_;
+  std::optional<std::pair<Tensor, Tensor>> qk_norms_;
+  Linear router_{std::vector<RunSpec>{}};
+  std::optional<Tensor> router_weight_;
+  std::optional<MoeWeights> moe_;
 };
 
 }  // namespace
@@ -142,6 +189,8 @@ void bind_decode_layer(pybind11::module_& m) {
       .def(pybind11::init<Tensor, Tensor, double, const std::vector<RunSpec>&, std::optional<Tensor>,
                           const std::vector<RunSpec>&, const std::vector<RunSpec>&, const std::vector<RunSpec>&,
                           int64_t, int64_t, int64_t, double, int64_t>())
+      .def("set_qk_norms", &DecodeLayer::set_qk_norms, "RMSNorm over each query and key head")
+      .def("set_moe", &DecodeLayer::set_moe, "routed experts in place of the dense MLP")
       .def("forward", &DecodeLayer::forward, "the layer's output for a step of decodes", no_gil());
 }
 

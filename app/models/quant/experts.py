@@ -66,6 +66,40 @@ class QuantizedExperts:
         ]
         return sum(quant.nbytes(p) for p in parts if p is not None)
 
+    def routed(
+        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool, act: str
+    ) -> torch.Tensor | None:
+        """The routed experts' sum for x (T, H) in one C++ call (moe_experts.cpp): the
+        router's top-k, the grouped products and the weighted sum. None where it does
+        not apply (gate and up of different types, a float projection, another
+        activation, x not float32, no kernels): SparseMoE's Python path then runs."""
+        from app.models import quant
+
+        native = quant.load()
+        if (
+            native is None
+            or act != "silu"
+            or x.dtype != torch.float32
+            or not isinstance(self.gate_up, PackedWeight)
+            or not isinstance(self.down, PackedWeight)
+        ):
+            return None
+        gu_type, gu_parts = self.gate_up.kernel_args
+        dn_type, dn_parts = self.down.kernel_args
+        activations = 1 if quant.float_activations else 0
+        return native.quant_moe_experts(
+            x,
+            logits,
+            top_k,
+            normalize,
+            gu_type,
+            gu_parts,
+            dn_type,
+            dn_parts,
+            self.inter,
+            activations,
+        )
+
     def forward(self, xs: torch.Tensor, starts: list[int], act: str) -> torch.Tensor:
         """Rows of xs grouped by expert (rows starts[e]..starts[e+1]-1 go to expert e):
         each row through its expert's MLP."""

@@ -5,10 +5,10 @@ attribute lookups, small tensors) as in the kernels themselves. For a step whose
 token goes through the decode kernel (decodes; with TorchPagedAttention.token_by_token,
 prompt tokens too), DecoderModel hands each layer to its `fused_decode` instead, which
 runs the same ops in the same order from C++ and so returns the same bits. A model
-whose ArchConfig asks for anything the C++ does not run (FUSED_ARCH below: q/k norms,
-sandwich norms, soft-capped scores, partial RoPE, experts, a switch added since), or
-whose layers it cannot take as loaded (float weights, tensor parallelism, non-float32
-activations), stays whole on the Python path. SHOAL_FUSED_DECODE=0 turns it off.
+whose ArchConfig asks for anything the C++ does not run (FUSED_ARCH below: sandwich
+norms, soft-capped scores, partial RoPE, a shared expert, a switch added since), or
+whose layers it cannot take as loaded (float weights, experts not kept quantized, tensor
+parallelism, non-float32 activations), stays whole on the Python path. SHOAL_FUSED_DECODE=0 turns it off.
 """
 
 import dataclasses
@@ -24,6 +24,7 @@ from app.models.attention import DecodeInputs
 from app.models.decoder import DecoderForCausalLM, DecoderLayer
 from app.models.dense_mlp import DenseMLP
 from app.models.fused_ops import RopeTables
+from app.models.moe import SparseMoE
 from app.models.quant.linear_module import QuantLinear
 from app.models.quant.packed_weight import PackedWeight
 
@@ -68,7 +69,10 @@ FUSED_ARCH: dict[str, Callable[[Any, ArchConfig], bool]] = {
     # switches the C++ runs one way only
     "hidden_act": lambda act, arch: act == "silu",  # silu_mul
     "rotary_dim": lambda dim, arch: dim in (None, arch.head_dim),  # RoPE over whole heads
-    "moe": lambda moe, arch: not any(arch.is_sparse(i) for i in range(arch.num_layers)),
+    "qk_norm": _any,  # DecodeLayer.set_qk_norms
+    # routed experts without a shared one (DecodeLayer.set_moe); float32 weighting is
+    # moot, activations being float32
+    "moe": lambda moe, arch: moe is None or moe.shared_intermediate_size == 0,
 }
 
 
@@ -132,23 +136,25 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
     """The layer as DecodeLayer, or None where its weights or kernels as loaded are not
     what the C++ takes (what the architecture asks for is FUSED_ARCH's to check)."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.q_norm is not None:
+        norms += [attn.q_norm, attn.k_norm]
+    sparse = isinstance(mlp, SparseMoE)
     if (
         not set(attn.attn_options) <= {"window"}  # the only option DecodeLayer takes
         or attn.exact
         or any(n.exact or n.eps != norms[0].eps for n in norms)
         or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
-        or not isinstance(mlp, DenseMLP)
-        or mlp.exact  # its Python path would take torch's silu, not silu_mul
-        or mlp.fused is not None
+        or not (isinstance(mlp, DenseMLP) or sparse)
+        or (sparse and _experts(mlp) is None)
+        or (not sparse and (mlp.exact or mlp.fused is not None))  # exact: torch's silu
     ):
         return None
-    linears = [_runs(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if any(r is None for r in linears) or any(
-        m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    ):
+    dense = [] if sparse else [mlp.gate_up_proj, mlp.down_proj]
+    linears = [_runs(m) for m in (attn.qkv_proj, attn.o_proj, *dense)]
+    if any(r is None for r in linears) or any(m.bias is not None for m in (attn.o_proj, *dense)):
         return None
-    qkv, o, gate_up, down = linears
+    qkv, o, gate_up, down = linears if dense else [*linears, [], []]
     bias = attn.qkv_proj.bias
     native = module.DecodeLayer(
         norms[0].weight.detach(),
@@ -165,7 +171,44 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
         attn.scale,
         attn.attn_options.get("window", 0),
     )
+    if attn.q_norm is not None:
+        native.set_qk_norms(attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+    if sparse:
+        native.set_moe(*_experts(mlp))
     return FusedDecodeLayer(native, layer)
+
+
+def _experts(mlp: SparseMoE) -> tuple | None:
+    """DecodeLayer.set_moe's arguments for a MoE layer whose experts one C++ call runs
+    (QuantizedExperts.routed's conditions), else None."""
+    experts = mlp.quantized
+    if (
+        experts is None
+        or mlp.act != "silu"
+        or not isinstance(experts.gate_up, PackedWeight)
+        or not isinstance(experts.down, PackedWeight)
+        or mlp.gate.bias is not None
+    ):
+        return None
+    router = _runs(mlp.gate)
+    weight = None
+    if router is None:  # a float router (llama.cpp files keep it float32)
+        if isinstance(mlp.gate, QuantLinear) or mlp.gate.weight.dtype != torch.float32:
+            return None
+        router, weight = [], mlp.gate.weight.detach()
+    gu_type, gu_parts = experts.gate_up.kernel_args
+    dn_type, dn_parts = experts.down.kernel_args
+    return (
+        router,
+        weight,
+        mlp.top_k,
+        mlp.normalize,
+        gu_type,
+        gu_parts,
+        dn_type,
+        dn_parts,
+        mlp.inter,
+    )
 
 
 def _runs(linear: Any) -> list[RunSpec] | None:

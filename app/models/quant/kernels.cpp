@@ -156,23 +156,6 @@ void matmul_into(const Tensor& xf, int64_t qtype, const std::vector<Tensor>& par
   });
 }
 
-}  // namespace shoal_quant
-
-namespace {
-
-void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
-                  Tensor out, int64_t mode, int64_t tile_rows, int64_t activations) {
-  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
-  check_float(x, "x");
-  check_float(out, "out");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (T, ", k, "), got ", x.sizes());
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
-              "out must be (", x.size(0), ", ", n, ") with unit column stride, got ", out.sizes(), " strides ",
-              out.strides());
-  const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
-  matmul_into(xf, qtype, parts, n, k, out, mode, tile_rows, activations);
-}
-
 // Experts stacked in one packed weight of n = E * m rows (expert e's rows e*m..e*m+m-1,
 // m a multiple of kG): x's rows starts[e]..starts[e+1]-1 (grouped by expert) times expert
 // e, into out (R, m). One call for every expert: the GEMV's threads split all the experts'
@@ -180,20 +163,9 @@ void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& par
 // (the same bits: int8 activations round per row, and the float GEMV sums per row too);
 // float32 x past the format's kFloatGemvMaxT rows of one expert takes the tiles as
 // quant_matmul does.
-void quant_grouped_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
-                          const std::vector<int64_t>& starts, Tensor out, int64_t activations) {
-  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
-  check_float(x, "x");
-  check_float(out, "out");
-  const int64_t E = int64_t(starts.size()) - 1, R = x.size(0);
-  TORCH_CHECK(E >= 1 && n % E == 0 && (n / E) % kG == 0, "n=", n, " is not ", E, " experts of whole row groups");
-  const int64_t m = n / E;
-  TORCH_CHECK(starts.front() == 0 && starts.back() == R, "starts must run from 0 to x's ", R, " rows");
-  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(starts[e] <= starts[e + 1], "starts must not decrease");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (R, ", k, "), got ", x.sizes());
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == m && out.stride(1) == 1, "out must be (", R,
-              ", ", m, ") with unit column stride, got ", out.sizes());
-  const Tensor xf = x.to(at::kFloat).contiguous();
+void grouped_matmul_into(const Tensor& xf, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                         const std::vector<int64_t>& starts, Tensor& out, int64_t activations) {
+  const int64_t E = int64_t(starts.size()) - 1, R = xf.size(0), m = n / E;
   with_format(qtype, parts, n, k, [&](const auto& f) {
     using F = std::decay_t<decltype(f)>;
     constexpr bool has_ints = F::kInts != Ints::kNone;
@@ -221,6 +193,38 @@ void quant_grouped_matmul(const Tensor& x, int64_t qtype, const std::vector<Tens
       gemv(f, n, k, xf.data_ptr<float>(), R, out.data_ptr<scalar_t>(), out.stride(0), gemv_segments);
     });
   });
+}
+
+}  // namespace shoal_quant
+
+namespace {
+
+void quant_grouped_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                          const std::vector<int64_t>& starts, Tensor out, int64_t activations) {
+  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
+  check_float(x, "x");
+  check_float(out, "out");
+  const int64_t E = int64_t(starts.size()) - 1, R = x.size(0);
+  TORCH_CHECK(E >= 1 && n % E == 0 && (n / E) % kG == 0, "n=", n, " is not ", E, " experts of whole row groups");
+  TORCH_CHECK(starts.front() == 0 && starts.back() == R, "starts must run from 0 to x's ", R, " rows");
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(starts[e] <= starts[e + 1], "starts must not decrease");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (R, ", k, "), got ", x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == n / E && out.stride(1) == 1, "out must be (", R,
+              ", ", n / E, ") with unit column stride, got ", out.sizes());
+  grouped_matmul_into(x.to(at::kFloat).contiguous(), qtype, parts, n, k, starts, out, activations);
+}
+
+void quant_matmul(const Tensor& x, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
+                  Tensor out, int64_t mode, int64_t tile_rows, int64_t activations) {
+  TORCH_CHECK(activations >= kAuto && activations <= kInt8, "activations must be 0 (auto), 1 (float) or 2 (int8)");
+  check_float(x, "x");
+  check_float(out, "out");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (T, ", k, "), got ", x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
+              "out must be (", x.size(0), ", ", n, ") with unit column stride, got ", out.sizes(), " strides ",
+              out.strides());
+  const Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> float is exact
+  matmul_into(xf, qtype, parts, n, k, out, mode, tile_rows, activations);
 }
 
 void quant_embedding(const Tensor& ids, int64_t qtype, const std::vector<Tensor>& parts, int64_t n, int64_t k,
@@ -266,4 +270,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_embedding", &quant_embedding, "rows of a packed GGUF-quantised W, dequantised", no_gil());
   m.def("isa", [] { return std::string(kIsa); }, "which vector build this is: avx512, avx2 or portable");
   shoal_quant::bind_decode_layer(m);
+  shoal_quant::bind_moe_experts(m);
 }
