@@ -16,6 +16,11 @@ deployments/context_rebalance.py): it is saved, parked pinned to the replica it 
 and freed here; its next call goes there and restores it. Calls on it here wait for the
 move; one that still arrives here after it (an ingress's stale pin) brings it back.
 
+The RoutingState lends a parked context to the replica that restores it and drops it
+only once that replica says the restore went: a failed or cancelled restore leaves it
+parked for the next call. A drained replica's copy is not parked over a context made
+again elsewhere meanwhile (that one is what its calls now use).
+
 The contexts a replica holds are those its calls made (`seen`), less those freed: the
 engine may also have dropped some for its limits, and their save then fails and is
 skipped. A replica whose engine died cannot save anything: its contexts are lost, as
@@ -82,22 +87,29 @@ class ContextMoves:
                 del self._busy[context]
 
     async def _restore(self, context: str) -> None:
+        """Take the parked context (lent by the RoutingState until this says how the
+        restore went: a failure parks it again for the next call, never loses it)."""
         assert self.shared is not None
         data = await self.shared.unpark(context, self.replica)
         if data is None:
             return
-        with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
-            path = Path(directory) / "context.slot"
-            path.write_bytes(data)
-            try:
+        try:
+            with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
+                path = Path(directory) / "context.slot"
+                await asyncio.to_thread(path.write_bytes, data)
                 moved = await self.engine.restore_context(context, str(path))
-            except CapacityError:  # no room here now: parked again for a later call
-                await self.shared.park(context, data)
-                raise
-            except ShoalError as exc:  # another model's (an app redeployed): not ours
-                logger.warning("parked context %s dropped: %s", context, exc)
-                return
+        except CapacityError:  # no room here now: parked again for a later call
+            self.shared.returned(context)
+            raise
+        except ShoalError as exc:  # another model's (an app redeployed): not ours
+            logger.warning("parked context %s dropped: %s", context, exc)
+            self.shared.taken(context)
+            return
+        except BaseException:  # the engine failed, the call was cancelled...
+            self.shared.returned(context)
+            raise
         self.held.add(context)
+        self.shared.taken(context)
         logger.info("context %s moved here: %d tokens", context, moved.num_tokens)
 
     async def move(self, context: str, to: str) -> int:
@@ -110,12 +122,14 @@ class ContextMoves:
             with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
                 path = Path(directory) / "context.slot"
                 saved = await self.engine.save_context(context, str(path))  # busy: 409
-                if not await self.shared.park(context, path.read_bytes(), to):
-                    raise OverloadedError("the routing state did not take the context: retry")
+                data = await asyncio.to_thread(path.read_bytes)
+            if not await self.shared.park(context, data, to, self.replica):
+                raise OverloadedError("the routing state did not take the context: retry")
             try:
                 await self.engine.free_context(context)
-            except Exception:  # busy after all: it stays here, unparked again
+            except Exception:  # busy after all: it stays here, taken back
                 await self.shared.unpark(context, self.replica)
+                self.shared.taken(context)
                 raise
             self.held.discard(context)
         logger.info("context %s moved to %s: %d tokens", context, to, saved.num_tokens)
@@ -123,8 +137,8 @@ class ContextMoves:
 
     async def send_away(self) -> int:
         """Park every context held here (the replica is draining); how many were."""
-        if self.shared is None:
-            return 0
+        if self.shared is None or self.shared.handle() is None:
+            return 0  # nowhere to park them: not worth saving
         parked = 0
         with tempfile.TemporaryDirectory(prefix="shoal-move-") as directory:
             path = Path(directory) / "context.slot"
@@ -134,6 +148,7 @@ class ContextMoves:
                 except Exception as exc:  # dropped for the engine's limits, or TP > 1
                     logger.info("context %s stays behind: %s", context, exc)
                     continue
-                parked += await self.shared.park(context, path.read_bytes())
+                data = await asyncio.to_thread(path.read_bytes)
+                parked += await self.shared.park(context, data, None, self.replica)
         logger.info("%d of %d contexts parked for other replicas", parked, len(self.held))
         return parked

@@ -47,10 +47,12 @@ PARK_S = 10.0  # a context's bytes may take longer to hand over
 ACTIVE_S = 60.0  # a router that wrote this recently counts as another ingress
 LOOKUP_EVERY_S = 5.0  # a missing actor is looked for again after this long
 PARKED_S = 3600.0  # a parked context nobody called for this long is dropped
+LENT_S = 30.0  # a parked context lent to a replica that never said how its restore went
+VERSION = 2  # in the actor's name: a detached actor of older code is not reused
 
 
 def actor_name(app: str) -> str:
-    return f"routing:{app}"
+    return f"routing:v{VERSION}:{app}"
 
 
 class RoutingState:
@@ -61,9 +63,10 @@ class RoutingState:
         self.pins: dict[str, ContextPins] = {}
         self.prefixes: dict[str, PrefixIndex] = {}
         self.writers: dict[str, float] = {}  # router id -> when it last wrote
-        # (deployment, context) -> ([ObjectRef] of a drained replica's context: slot-file
-        # bytes owned by this actor, so they outlive the replica that wrote them; when)
-        self.parked: dict[tuple[str, str], tuple[list, float]] = {}
+        # (deployment, context) -> ([ObjectRef] of a context that left its replica:
+        # slot-file bytes owned by this actor, so they outlive the replica that wrote
+        # them; when parked; when lent to a restoring replica, 0.0 if not)
+        self.parked: dict[tuple[str, str], tuple[list, float, float]] = {}
 
     def _index(self, deployment: str, max_blocks: int) -> PrefixIndex:
         if deployment not in self.prefixes:  # keys only: the block size is the routers'
@@ -104,20 +107,36 @@ class RoutingState:
             held.pin(context, home)
         return home
 
-    def park(self, deployment: str, context: str, data: bytes, to: str | None = None) -> None:
-        """A context leaving its replica (slot-file bytes), to be taken by the replica its
-        next call reaches. Put in the object store from here, so that this actor owns it
-        and it outlives the replica. Its pin goes to `to` (an operator's move), or goes
-        (a drained replica's): the next call goes where the usual choice sends it."""
+    def park(
+        self,
+        deployment: str,
+        context: str,
+        data: bytes,
+        to: str | None = None,
+        source: str | None = None,
+    ) -> bool:
+        """A context leaving its replica `source` (slot-file bytes), to be taken by the
+        replica its next call reaches. Put in the object store from here, so that this
+        actor owns it and it outlives the replica. Its pin goes to `to` (an operator's
+        move), or goes (a drained replica's): the next call goes where the usual choice
+        sends it. False, and nothing parked, if the context was made again on another
+        replica since it left `source`: that copy is the one its calls now use."""
         now = time.monotonic()
-        for key in [k for k, (_, at) in self.parked.items() if now - at > PARKED_S]:
-            del self.parked[key]
-        self.parked[(deployment, context)] = ([ray.put(data)], now)
+        self._expire(now)
         held = self.pins.setdefault(deployment, ContextPins())
+        home = held.holder.get(context)
+        if source is not None and home is not None and home != source:
+            return False
+        self.parked[(deployment, context)] = ([ray.put(data)], now, 0.0)
         if to is None:
             held.unpin(context)
         else:
             held.pin(context, to)
+        return True
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (_, at, _) in self.parked.items() if now - at > PARKED_S]:
+            del self.parked[key]
 
     def forget(self, deployment: str, context: str, replica: str) -> None:
         """`replica` freed `context`: no longer counted as held there."""
@@ -143,12 +162,27 @@ class RoutingState:
         return moves
 
     def unpark(self, deployment: str, context: str, replica: str) -> list | None:
-        """The parked context, now `replica`'s (pinned there); None if none is parked."""
-        parked = self.parked.pop((deployment, context), None)
-        if parked is None:
+        """The parked context, lent to `replica` (pinned there) until it says the restore
+        went (`taken`) or did not (`returned`), or LENT_S pass; None if none is parked
+        (or it is lent to another replica now)."""
+        now = time.monotonic()
+        self._expire(now)
+        parked = self.parked.get((deployment, context))
+        if parked is None or now - parked[2] < LENT_S:
             return None
+        self.parked[(deployment, context)] = (parked[0], parked[1], now)
         self.pins.setdefault(deployment, ContextPins()).pin(context, replica)
         return parked[0]
+
+    def taken(self, deployment: str, context: str) -> None:
+        """The lent context is restored (or not this model's): no longer parked."""
+        self.parked.pop((deployment, context), None)
+
+    def returned(self, deployment: str, context: str) -> None:
+        """The lent context's restore failed: parked again for the next call."""
+        parked = self.parked.get((deployment, context))
+        if parked is not None:
+            self.parked[(deployment, context)] = (parked[0], parked[1], 0.0)
 
     def match(self, deployment: str, keys: Sequence[int], live: Sequence[str]) -> tuple:
         index = self.prefixes.get(deployment)
@@ -183,7 +217,7 @@ class SharedRouting:
         self._prompts: list[tuple[list[int], str]] = []
         self._flush_due = False
 
-    def _handle(self) -> Any:
+    def handle(self) -> Any:
         if self._actor is None and time.monotonic() - self._looked_at >= LOOKUP_EVERY_S:
             self._looked_at = time.monotonic()
             try:
@@ -195,12 +229,15 @@ class SharedRouting:
         return self._actor
 
     async def _call(self, method: str, *args: Any) -> Any:
-        actor = self._handle()
+        actor = self.handle()
         if actor is None:
             return None
         try:
             return await asyncio.wait_for(getattr(actor, method).remote(*args), TIMEOUT_S)
-        except Exception as exc:  # gone, restarting or slow: unknown; look it up again
+        except TimeoutError:  # busy (a big context being parked): unknown this time
+            logger.debug("routing state %s timed out", method)
+            return None
+        except Exception as exc:  # gone or restarting: unknown; look it up again
             logger.debug("routing state %s failed: %r", method, exc)
             self._actor = None
             return None
@@ -219,26 +256,45 @@ class SharedRouting:
         found = await self._call("match", self.deployment, list(keys), list(live))
         return ([], 0) if found is None else found
 
-    async def park(self, context: str, data: bytes, to: str | None = None) -> bool:
+    async def park(
+        self, context: str, data: bytes, to: str | None = None, source: str | None = None
+    ) -> bool:
         """Park a context's slot-file bytes with the shared actor, pinned to `to` if given.
-        False: there is none, or it did not take them in time (the context is lost)."""
-        actor = self._handle()
+        False: there is none, it did not take them in time, or the context was made again
+        elsewhere since it left `source` (this copy is not needed)."""
+        actor = self.handle()
         if actor is None:
             return False
         try:
-            ref = actor.park.remote(self.deployment, context, data, to)
-            await asyncio.wait_for(ref, PARK_S)
-            return True
+            ref = actor.park.remote(self.deployment, context, data, to, source)
+            return bool(await asyncio.wait_for(ref, PARK_S))
         except Exception as exc:  # noqa: BLE001
             logger.warning("context %s could not be parked: %r", context, exc)
             return False
 
     async def unpark(self, context: str, replica: str) -> bytes | None:
-        """A parked context's slot-file bytes, taken for `replica`; None if none."""
+        """A parked context's slot-file bytes, lent to `replica` (see RoutingState.unpark:
+        say `taken` or `returned` after); None if none."""
         blob = await self._call("unpark", self.deployment, context, replica)
         if not blob:
             return None
-        return await blob[0]
+        try:
+            return await blob[0]
+        except BaseException:
+            self.returned(context)
+            raise
+
+    def taken(self, context: str) -> None:
+        self._tell("taken", context)
+
+    def returned(self, context: str) -> None:
+        self._tell("returned", context)
+
+    def _tell(self, method: str, *args: Any) -> None:
+        """A call whose answer is not awaited."""
+        actor = self.handle()
+        if actor is not None:
+            getattr(actor, method).remote(self.deployment, *args)
 
     def pinned(self, context: str, replica: str) -> None:
         """A context was created on `replica`: sent at once."""
@@ -246,9 +302,7 @@ class SharedRouting:
 
     def freed(self, context: str, replica: str) -> None:
         """`replica` freed a context: sent at once, answer not awaited."""
-        actor = self._handle()
-        if actor is not None:
-            actor.forget.remote(self.deployment, context, replica)
+        self._tell("forget", context, replica)
 
     def sent(self, keys: list[int], replica: str) -> None:
         """A prompt with these block keys went to `replica`: sent within FLUSH_S."""
@@ -269,7 +323,7 @@ class SharedRouting:
         self._send([], prompts)
 
     def _send(self, pins: list[tuple[str, str]], prompts: list[tuple[list[int], str]]) -> None:
-        actor = self._handle()
+        actor = self.handle()
         if actor is None:
             return
         ref = actor.push.remote(self.router, self.deployment, pins, prompts, self.max_blocks)

@@ -77,6 +77,14 @@ def tiny_config(checkpoint: Path | str, **overrides: Any) -> EngineConfig:
 
 
 # ---- tensor-parallel shards as plain processes -------------------------------------------
+def assert_close_outputs(ours: list, reference: list, tol: float) -> None:
+    """The same tokens, each log-probability within `tol` (CompletionOutputs)."""
+    for a, b in zip(ours, reference, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < tol
+
+
 def free_local_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

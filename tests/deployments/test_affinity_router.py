@@ -124,23 +124,8 @@ def test_the_router_reads_typed_objects_whatever_the_method():
 
 
 def test_routers_of_one_deployment_in_a_process_share_their_maps():
-    # The real router class, constructed as Serve constructs it (no Ray started).
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
-    from deployments.affinity_router import AffinityRouter
-
-    def router(name: str) -> AffinityRouter:
-        r = AffinityRouter(
-            deployment_id=DeploymentID(name=name, app_name="test-affinity"),
-            handle_source=DeploymentHandleSource.REPLICA,
-            self_node_id="node",
-            prefer_local_node_routing=False,
-            prefer_local_az_routing=False,
-            self_availability_zone=None,
-            use_replica_queue_len_cache=True,
-        )
-        r.initialize_state(routing={"max_imbalance": 3}, block_size=8)
-        return r
+    def router(name: str):  # noqa: ANN202
+        return _router(name, routing={"max_imbalance": 3}, block_size=8)
 
     a, b, other = router("ModelServer:a"), router("ModelServer:a"), router("ModelServer:b")
     assert a.routing.max_imbalance == 3 and a.prefixes.block_size == 8

@@ -3,6 +3,7 @@ and restored where their next call lands, with two real engines. The RoutingStat
 the plain object here (its Ray actor is tested live in tests/serve/test_context_affinity.py)."""
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -11,6 +12,7 @@ from app.engine.async_engine import AsyncEngine
 from app.protocol import SamplingParams
 from app.protocol.errors import CapacityError, ConflictError, NotFoundError
 from app.protocol.messages import ContextAction, ContextOp, EngineRequest
+from deployments import routing_state
 from deployments.context_moves import ContextMoves
 from deployments.routing_state import RoutingState, SharedRouting
 from tests.helpers import tiny_engine
@@ -19,24 +21,33 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 class InProcessLink(SharedRouting):
-    """SharedRouting's calls, answered by a RoutingState in this process."""
+    """SharedRouting's calls, answered by a RoutingState in this process (its object
+    store puts: the bytes themselves, see `no_object_store`)."""
 
     def __init__(self, state: RoutingState) -> None:
         super().__init__("app", "M", max_blocks=0)
         self.state = state
 
+    def handle(self):  # noqa: ANN201
+        return self.state
+
     async def _call(self, method: str, *args):  # noqa: ANN002, ANN202
         return getattr(self.state, method)(*args)
 
-    async def park(self, context: str, data: bytes, to: str | None = None) -> bool:
-        self.state.parked[("M", context)] = ([data], 0.0)
-        if to is not None:
-            self.state.push("mover", "M", pins=[(context, to)])
-        return True
+    def _tell(self, method: str, *args) -> None:  # noqa: ANN002
+        getattr(self.state, method)("M", *args)
+
+    async def park(self, context, data, to=None, source=None) -> bool:  # noqa: ANN001
+        return self.state.park("M", context, data, to, source)
 
     async def unpark(self, context: str, replica: str) -> bytes | None:
         blob = self.state.unpark("M", context, replica)
         return None if blob is None else blob[0]
+
+
+@pytest.fixture(autouse=True)
+def no_object_store(monkeypatch):
+    monkeypatch.setattr(routing_state.ray, "put", lambda data: data)
 
 
 async def generate(engine: AsyncEngine, moves: ContextMoves, cid: str, tokens: list[int]):  # noqa: ANN201
@@ -94,7 +105,7 @@ def test_a_context_that_does_not_fit_stays_parked_and_one_of_another_model_is_dr
         with pytest.raises(CapacityError):
             await generate(small, b, "big", [1])
         assert ("M", "big") in state.parked  # for a replica with room
-        state.parked[("M", "junk")] = ([b"not a slot file"], 0.0)
+        state.parked[("M", "junk")] = ([b"not a slot file"], time.monotonic(), 0.0)
         assert await generate(small, b, "junk", [1, 2])  # dropped: a new context
         assert ("M", "junk") not in state.parked
 
@@ -145,3 +156,30 @@ def test_an_operator_move_sends_a_live_context_to_the_named_replica(tiny_llama):
     finally:
         for engine in (source, target, unmoved):
             engine.shutdown()
+
+
+def test_a_failed_restore_leaves_the_context_parked(tiny_llama):
+    state = RoutingState()
+    source = AsyncEngine(tiny_engine(tiny_llama))
+    target = AsyncEngine(tiny_engine(tiny_llama))
+    a = ContextMoves(source, InProcessLink(state), "r1")
+    b = ContextMoves(target, InProcessLink(state), "r2")
+
+    async def broken(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("the engine went away")
+
+    async def scenario() -> None:
+        await generate(source, a, "ctx", list(range(5, 30)))
+        assert await a.send_away() == 1
+        target.restore_context = broken
+        with pytest.raises(RuntimeError):
+            await generate(target, b, "ctx", [7])
+        assert ("M", "ctx") in state.parked and state.parked[("M", "ctx")][2] == 0.0
+        del target.restore_context  # the engine's own again
+        assert await generate(target, b, "ctx", [7]) and not state.parked
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        source.shutdown()
+        target.shutdown()

@@ -67,3 +67,46 @@ def test_a_context_parked_for_a_named_replica_is_pinned_there(monkeypatch):
     state.park("M", "d", b"slot")  # drained: no replica named
     assert state.where("M", "c") == "r2" and state.where("M", "d") is None
     assert state.unpark("M", "c", "r2") == [b"slot"]
+
+
+def test_a_parked_context_is_lent_until_its_restore_is_confirmed(monkeypatch):
+    """A restore that fails, or a replica that never answers, does not lose the bytes."""
+    monkeypatch.setattr(routing_state.ray, "put", lambda data: data)
+    clock = [1000.0]
+    monkeypatch.setattr(routing_state.time, "monotonic", lambda: clock[0])
+    state = RoutingState()
+    assert state.park("M", "c", b"slot", source="r1")
+    assert state.unpark("M", "c", "r2") == [b"slot"] and state.where("M", "c") == "r2"
+    assert state.unpark("M", "c", "r3") is None  # lent to r2 meanwhile
+    state.returned("M", "c")  # r2's restore failed
+    assert state.unpark("M", "c", "r3") == [b"slot"]
+    clock[0] += routing_state.LENT_S + 1  # r3 never said: lent again
+    assert state.unpark("M", "c", "r2") == [b"slot"]
+    state.taken("M", "c")
+    assert state.unpark("M", "c", "r3") is None and not state.parked
+
+
+def test_a_context_made_again_elsewhere_is_not_parked_over(monkeypatch):
+    monkeypatch.setattr(routing_state.ray, "put", lambda data: data)
+    state = RoutingState()
+    state.push("a", "M", pins=[("c", "r2")])  # made again on r2 while r1 drained
+    assert not state.park("M", "c", b"old", source="r1")
+    assert not state.parked and state.where("M", "c") == "r2"
+
+
+def test_a_slow_answer_keeps_the_actor_handle(monkeypatch):
+    """Only a dead actor is looked up again; a busy one is asked again next time."""
+
+    class Never:
+        def remote(self, *args):  # noqa: ANN002, ANN202
+            return asyncio.get_running_loop().create_future()
+
+    class Busy:
+        where = Never()
+
+    monkeypatch.setattr(routing_state, "TIMEOUT_S", 0.01)
+    shared = SharedRouting("app", "M", max_blocks=10)
+    busy = Busy()
+    shared._actor = busy
+    assert asyncio.run(shared.where("ctx")) is None
+    assert shared._actor is busy

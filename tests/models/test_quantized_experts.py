@@ -18,7 +18,7 @@ from app.models.quant.experts import DOWN, GATE, UP, QuantizedExperts
 from app.models.quantized_model import quantized_bytes
 from app.models.quantized_tensor import QuantizedTensor
 from app.protocol import SamplingParams
-from tests.helpers import cpu_engine
+from tests.helpers import assert_close_outputs, cpu_engine
 from tests.models.family_checkpoints import save_family_checkpoint
 from tests.models.gguf_writer import quantize, write_gguf
 
@@ -34,13 +34,6 @@ def float_activations(monkeypatch):
 
 def _run(engine) -> list:  # noqa: ANN001
     return [o.outputs[0] for o in engine.generate(PROMPTS, GREEDY)]
-
-
-def _assert_close(ours: list, reference: list, tol: float) -> None:
-    for a, b in zip(ours, reference, strict=True):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(x.logprob - y.logprob) < tol
 
 
 def _experts(engine) -> list[SparseMoE]:  # noqa: ANN001
@@ -72,11 +65,11 @@ def test_quantized_experts_generate_as_their_dequantized_selves(
     dense = cpu_engine(path, quantization="none")
     assert all(m.quantized is None for m in _experts(dense))
     reference = _run(dense)
-    _assert_close(_run(quantized), reference, 1e-4)
+    assert_close_outputs(_run(quantized), reference, 1e-4)
     # The layer's Python path over the same grouped products (where the one C++ call
     # does not apply) agrees too.
     monkeypatch.setattr(QuantizedExperts, "routed", lambda *args: None)
-    _assert_close(_run(quantized), reference, 1e-4)
+    assert_close_outputs(_run(quantized), reference, 1e-4)
     if qtype == Q.Q4_K:
         model = quantized.loaded.model
         held = quantized_bytes(model) + sum(

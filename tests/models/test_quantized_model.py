@@ -15,7 +15,7 @@ from app.models.quant.linear_module import QuantEmbedding, QuantLinear
 from app.models.quantized_model import quantized_bytes
 from app.models.source import default_model_path
 from app.protocol import ModelLoadError, SamplingParams
-from tests.helpers import cpu_engine
+from tests.helpers import assert_close_outputs, cpu_engine
 from tests.models.family_checkpoints import save_family_checkpoint
 from tests.models.gguf_writer import write_gguf
 
@@ -34,13 +34,6 @@ def _run(engine: LLMEngine) -> list:
     return [o.outputs[0] for o in engine.generate(prompts, GREEDY)]
 
 
-def _assert_close(ours: list, reference: list, tol: float) -> None:
-    for a, b in zip(ours, reference, strict=True):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(x.logprob - y.logprob) < tol
-
-
 def test_default_gguf_served_from_its_blocks(smollm2_engine):
     settings = dict(device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1)
     quantized = LLMEngine(EngineConfig(quantization="gguf", **settings))
@@ -54,11 +47,11 @@ def test_default_gguf_served_from_its_blocks(smollm2_engine):
     # the same file dequantized: the session's float engine's weights
     dense = LLMEngine(EngineConfig(quantization="none", **settings), loaded=smollm2_engine.loaded)
     reference = _run(dense)
-    _assert_close(_run(quantized), reference, 1e-3)
+    assert_close_outputs(_run(quantized), reference, 1e-3)
     # the kernels' default, x rounded to int8 per block as llama.cpp does: the same greedy
     # tokens, log-probabilities mostly a few hundredths off (0.46 at worst when measured)
     quant.float_activations = False
-    _assert_close(_run(quantized), reference, 0.75)
+    assert_close_outputs(_run(quantized), reference, 0.75)
 
 
 def test_quantized_gguf_of_every_row_edit(tmp_path: Path):
@@ -70,7 +63,7 @@ def test_quantized_gguf_of_every_row_edit(tmp_path: Path):
         quantized = cpu_engine(path, quantization="gguf")
         layers = [m for m in quantized.loaded.model.modules() if isinstance(m, QuantLinear)]
         assert layers, family
-        _assert_close(_run(quantized), _run(cpu_engine(path, quantization="none")), 1e-4)
+        assert_close_outputs(_run(quantized), _run(cpu_engine(path, quantization="none")), 1e-4)
 
 
 def test_int8_quantizes_a_float_checkpoint(tmp_path: Path):

@@ -235,7 +235,9 @@ def test_an_operator_moves_contexts_and_evens_them_out(pair_url):
     import ray
 
     wait_for_model_replicas(pair_url, 2)
-    routing = ray.get_actor("routing:pair", namespace="shoal")
+    from deployments.routing_state import actor_name
+
+    routing = ray.get_actor(actor_name("pair"), namespace="shoal")
     where = lambda cid: ray.get(routing.where.remote(f"ModelServer:{MODEL}", str(cid)))  # noqa: E731
     greedy = {"temperature": 0, "max_gen_length": 4}
     story = "Log {}: the night ferry left the harbour with its lamps lit and its deck empty"
