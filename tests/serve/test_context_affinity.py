@@ -296,12 +296,19 @@ def test_an_operator_moves_contexts_and_evens_them_out(pair_url):
 
 
 def wait_for_model_replicas(pair_url: str, n: int) -> None:
+    """Until Serve runs n replicas and the registry lists those and no other (a replica
+    killed by an earlier test stays listed until its heartbeats go stale)."""
     deadline = time.time() + 300
     while True:
         status = serve.status().applications["pair"]
         replicas = status.deployments[f"ModelServer:{MODEL}"].replica_states
         engines = httpx.get(f"{pair_url}/engines", timeout=30).json()
-        if replicas == {"RUNNING": n} and len(engines["engines"]) == n:
+        listed = {e["engine_id"] for e in engines["engines"]}
+        if (
+            replicas == {"RUNNING": n}
+            and len(listed) == n
+            and listed == set(contexts_held(pair_url))
+        ):
             return
         assert time.time() < deadline, (status, engines)
         time.sleep(1)
