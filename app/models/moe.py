@@ -49,8 +49,8 @@ class SparseMoE(nn.Module):
         self.quantized: QuantizedExperts | None = None
 
     def keep_quantized(self) -> None:
-        """Experts from quantized checkpoint pieces (set_expert_piece), not the float
-        parameters, which go."""
+        """Experts from quantized checkpoint pieces (QuantizedExperts.set_piece, called by
+        the loader), not the float parameters, which go."""
         dtype = self.expert_down.dtype
         del self.expert_gate_up, self.expert_down
         hidden = self.gate.in_features

@@ -140,13 +140,14 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
     if attn.q_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
     sparse = isinstance(mlp, SparseMoE)
+    experts = _experts(mlp) if sparse else None  # DecodeLayer.set_moe's arguments
     if (
         not set(attn.attn_options) <= {"window"}  # the only option DecodeLayer takes
         or attn.exact
         or any(n.exact or n.eps != norms[0].eps for n in norms)
         or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
         or not (isinstance(mlp, DenseMLP) or sparse)
-        or (sparse and _experts(mlp) is None)
+        or (sparse and experts is None)
         or (not sparse and (mlp.exact or mlp.fused is not None))  # exact: torch's silu
     ):
         return None
@@ -173,8 +174,8 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
     )
     if attn.q_norm is not None:
         native.set_qk_norms(attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
-    if sparse:
-        native.set_moe(*_experts(mlp))
+    if experts is not None:
+        native.set_moe(*experts)
     return FusedDecodeLayer(native, layer)
 
 
