@@ -17,14 +17,21 @@ next run.
   workload in static batches of 16, and single-stream decode.
 - llama.cpp (`--llama-cpp DIR` or $SHOAL_LLAMA_CPP, bench/llama_cpp_peer.py): llama-bench's
   decode ms/token on the same file.
+- 32 streams over HTTP: the file served by Shoal's Serve app (`build_app`, a local Ray) and
+  by llama-server (a slot per client, the same threads), one after the other; each of
+  32 clients streams `--serve-rounds` OpenAI completions of 128 tokens (ignore_eos,
+  greedy) from a 64-token prompt of token ids (the file's vocabulary is made up, so
+  there is no text to chat in). Output tok/s over the whole run.
 
 The last line printed is a JSON object with every figure.
 """
 
 import argparse
+import asyncio
 import gc
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -115,6 +122,87 @@ def transformers_figures(path: Path, work: list, batch: int) -> dict:
     return figures
 
 
+def completions_tok_s(url: str, model: str, clients: int, rounds: int, salt: int) -> float:
+    """Output tok/s of `clients` closed-loop clients, each streaming `rounds` completions
+    from prompts no other request shares (`salt` keeps two servers' prompts apart too)."""
+    import httpx
+
+    vocab = SHAPE["vocab_size"]
+
+    async def client(http: httpx.AsyncClient, i: int) -> int:
+        tokens = 0
+        for r in range(rounds):
+            rng = random.Random(f"{salt}-{i}-{r}")
+            body = {
+                "model": model,
+                "prompt": [rng.randrange(100, vocab) for _ in range(64)],
+                "max_tokens": 128,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise RuntimeError(chunk["error"])
+            tokens += 128  # ignore_eos: every request runs to max_tokens (both servers)
+        return tokens
+
+    async def level(n: int) -> float:
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        async with httpx.AsyncClient(timeout=900, limits=limits) as http:
+            start = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(client(http, i) for i in range(n))))
+            return tokens / (time.perf_counter() - start)
+
+    asyncio.run(level(1))  # warm-up
+    return round(asyncio.run(level(clients)), 1)
+
+
+def serve_tok_s(path: Path, clients: int, rounds: int) -> float:
+    """Shoal's Serve app on a local Ray, serving the file with `quantization: auto`."""
+    import ray
+    from ray import serve
+    from serve_overhead import wait_healthy
+
+    from deployments.builder import build_app
+    from deployments.config import AppConfig
+
+    config = AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "models": [
+                {
+                    "name": "moe",
+                    "engine": {
+                        "model": str(path),
+                        "quantization": "auto",
+                        "kv_cache_memory_gib": 1.0,
+                    },
+                }
+            ],
+        }
+    )
+    port = llama_cpp.free_port()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name="moe-bench", route_prefix="/", blocking=False)
+        wait_healthy(f"http://127.0.0.1:{port}/health")
+        return completions_tok_s(f"http://127.0.0.1:{port}", "moe", clients, rounds, salt=0)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def llama_server_tok_s(binary: str, path: Path, threads: int, clients: int, rounds: int) -> float:
+    with llama_cpp.LlamaServer(binary, str(path), threads, None, clients, 256) as server:
+        return completions_tok_s(server.url, "moe", clients, rounds, salt=1)
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -125,6 +213,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-dense", action="store_true", help="no dequantized Shoal run")
     parser.add_argument("--llama-cpp", default=None, help="directory of llama.cpp's binaries")
+    parser.add_argument("--serve-rounds", type=int, default=2, help="requests per client")
+    parser.add_argument("--skip-serve", action="store_true", help="no 32-stream HTTP runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
@@ -162,9 +252,21 @@ def main() -> None:
             result["offline_ratio_vs_transformers"] = round(
                 ours["offline_tok_s"] / hf["offline_tok_s"], 2
             )
-        # Through Serve against llama-server at 32 streams: not measured yet.
-        result["serve_32_tok_s"] = None
-        result["llama_server_32_tok_s"] = None
+        result["serve_32_tok_s"] = result["llama_server_32_tok_s"] = None
+        if not args.skip_serve:
+            # llama-server first: its dropped connections were seen right after a Ray's
+            # shutdown (bench/serve_overhead.py)
+            server = llama_cpp.find("llama-server", args.llama_cpp)
+            if server:
+                peer = llama_server_tok_s(server, path, args.threads, 32, args.serve_rounds)
+                result["llama_server_32_tok_s"] = peer
+                print(f"llama-server, 32 streams: {peer} tok/s")
+            result["serve_32_tok_s"] = serve_tok_s(path, 32, args.serve_rounds)
+            print(f"shoal through Serve, 32 streams: {result['serve_32_tok_s']} tok/s")
+            if server:
+                result["serve_32_over_llama_server"] = round(
+                    result["serve_32_tok_s"] / result["llama_server_32_tok_s"], 2
+                )
         print(json.dumps(result))
 
 
