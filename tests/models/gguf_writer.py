@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tests.helpers import TINY_EOS
-from tests.models.k_quants import quantize_q4_k
+from tests.models.k_quants import quantize_q4_k, quantize_q5_k
 
 # HF architecture -> llama.cpp's (Mistral and Mixtral are "llama" files)
 _ARCHS = {
@@ -77,9 +77,11 @@ def write_gguf(
 
 
 def quantize(array: np.ndarray, qtype: "gguf.GGMLQuantizationType") -> np.ndarray:
-    """Rows of `array` in GGML type `qtype` (gguf-py's quantizers; ours for Q4_K)."""
+    """Rows of `array` in GGML type `qtype` (gguf-py's quantizers; ours for Q4_K, Q5_K)."""
     if qtype == gguf.GGMLQuantizationType.Q4_K:
         return quantize_q4_k(array)
+    if qtype == gguf.GGMLQuantizationType.Q5_K:
+        return quantize_q5_k(array)
     return gguf.quants.quantize(array, qtype)
 
 

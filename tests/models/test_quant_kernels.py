@@ -62,7 +62,7 @@ def weights(qtype: QuantType, n: int, k: int) -> tuple[torch.Tensor, torch.Tenso
         blocks = n * k // 256
         b = rng.integers(0, 256, size=(blocks, qtype.block_bytes), dtype=np.uint8)
         halves = (rng.random((blocks, 2)) * 0.02).astype(np.float16).view(np.uint8)
-        if qtype == QuantType.Q4_K:
+        if qtype in (QuantType.Q4_K, QuantType.Q5_K):
             b[:, 0:4] = halves  # d, dmin
         else:
             b[:, 208:210] = halves[:, :2]  # d (int8 scales stay random, signs included)
@@ -111,8 +111,8 @@ def test_packing_is_lossless_and_small(qtype):
     assert torch.equal(dequantize_packed(packed), w)
     padded = -(-raw.shape[0] // 4) * 4  # rows go in groups of four
     expected = padded * raw.shape[1]
-    if qtype == QuantType.Q4_K:
-        expected = expected // 144 * 148  # its 6-bit scales and mins get a byte each
+    if qtype in (QuantType.Q4_K, QuantType.Q5_K):  # 6-bit scales and mins get a byte each
+        expected = expected // qtype.block_bytes * (qtype.block_bytes + 4)
     assert packed.nbytes == expected
 
 

@@ -40,22 +40,26 @@ def _experts(engine) -> list[SparseMoE]:  # noqa: ANN001
     return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoE)]
 
 
+# The K types' 256-weight blocks: experts 256 wide and 256 deep, 8 of them, top-2
+K_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, num_experts=8)
+
+
 @pytest.mark.parametrize(
     ("family", "qtype", "shape"),
     [
         ("qwen3-moe", Q.Q8_0, {}),
         ("mixtral", Q.Q4_0, {}),  # a llama file: q/k rows un-permuted too
         ("qwen2-moe", Q.Q4_1, dict(mlp_only_layers=[])),  # with a shared expert
-        # Q4_K's 256-weight blocks: experts 256 wide and 256 deep, 8 of them, top-2
-        ("qwen3-moe", Q.Q4_K, dict(hidden_size=256, moe_intermediate_size=256, num_experts=8)),
+        ("qwen3-moe", Q.Q4_K, K_SHAPE),
+        ("qwen3-moe", Q.Q5_K, K_SHAPE),  # no integer kernel: float activations throughout
     ],
-    ids=["qwen3-moe-Q8_0", "mixtral-Q4_0", "qwen2-moe-Q4_1", "qwen3-moe-Q4_K"],
+    ids=["qwen3-moe-Q8_0", "mixtral-Q4_0", "qwen2-moe-Q4_1", "qwen3-moe-Q4_K", "qwen3-moe-Q5_K"],
 )
 def test_quantized_experts_generate_as_their_dequantized_selves(
     tmp_path: Path, monkeypatch, family, qtype, shape
 ):
     directory = save_family_checkpoint(tmp_path, family, **shape)
-    dense_type = qtype if qtype != Q.Q4_K else Q.Q8_0
+    dense_type = Q.Q8_0 if qtype in (Q.Q4_K, Q.Q5_K) else qtype
     path = write_gguf(directory, tmp_path / "moe.gguf", qtype=dense_type, expert_qtype=qtype)
     quantized = cpu_engine(path, quantization="gguf")
     layers = _experts(quantized)
@@ -70,7 +74,7 @@ def test_quantized_experts_generate_as_their_dequantized_selves(
     # does not apply) agrees too.
     monkeypatch.setattr(QuantizedExperts, "routed", lambda *args: None)
     assert_close_outputs(_run(quantized), reference, 1e-4)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.Q5_K):
         model = quantized.loaded.model
         held = quantized_bytes(model) + sum(
             p.numel() * p.element_size() for p in model.parameters()
@@ -97,7 +101,7 @@ def test_experts_of_mixed_types_and_types_the_kernels_do_not_run():
     layer = QuantizedExperts(experts, inter, hidden, torch.float32)
     reference = {}
     for (e, part), w in floats.items():
-        if part == DOWN:  # a float piece, as the loader hands a Q5_K tensor
+        if part == DOWN:  # a float piece, as the loader hands a Q3_K tensor
             piece = torch.from_numpy(w)
         else:
             qtype = QuantType.Q4_0 if part == GATE else QuantType.Q8_0

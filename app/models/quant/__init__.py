@@ -1,5 +1,6 @@
-"""Linear layers and embeddings on GGUF-quantised weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
-so a decode step reads each weight byte once instead of a bfloat16 copy 2-3x its size.
+"""Linear layers and embeddings on GGUF-quantised weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K), so a decode step reads each weight byte once instead of a bfloat16 copy 2-3x its
+size.
 
     packed = pack(raw_rows, QuantType.Q4_1)       # lossless; unpack() gives the bytes back
     matmul(x, packed, out=fused[:, 0:576])        # out = x @ W^T, out may be a column slice
@@ -14,8 +15,8 @@ takes any number of rows with the same per-row arithmetic, and attention takes e
 query token alone (TorchPagedAttention.token_by_token), and silu(gate) * up walks each
 row alone (cpu_kernels/silu_mul.h; AVX-512 builds still use torch's silu there). A token's
 logits are then the same
-bits in a prompt, a prefill chunk after a cached prefix or a decode. Not for Q6_K layers
-(no integer kernel: the float GEMV's passes, and the tiles, depend on the row count).
+bits in a prompt, a prefill chunk after a cached prefix or a decode. Not for Q5_K and Q6_K
+layers (no integer kernel: the float GEMV's passes, and the tiles, depend on the row count).
 SHOAL_QUANT_ACTIVATIONS=float (or float_activations = True) keeps x in float32: results
 are the dequantized weights' but for summation order.
 

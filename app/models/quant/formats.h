@@ -33,7 +33,7 @@ namespace shoal_quant {
 
 constexpr int kG = 4;  // rows per interleaved group
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 enum class Ints { kNone, kNibbles, kBytes };
 
@@ -125,6 +125,23 @@ struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per
   void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + at_unit(n, b, kb, 16), v); }
 };
 
+struct Q5_K {  // Q4_K's w with q = nibble + 16 * fifth bit (0..31)
+  static constexpr int kSubs = 1;
+  static constexpr bool kOffset = true;
+  static constexpr Ints kInts = Ints::kNone;
+  static constexpr int64_t kFloatGemvMaxT = 12;
+  Q4_K low;  // the nibbles, scales and mins, laid out as Q4_K's
+  const uint8_t* qh;
+  int64_t kb;
+  Q5_K(const std::vector<at::Tensor>& p, int64_t k)
+      : low({p[0], p[2], p[3], p[4], p[5]}, k), qh(p[1].data_ptr<uint8_t>()), kb(k / 32) {}
+  void scales(int64_t g, float* s, float* off) const { low.scales(g, s, off); }
+  void decode(int64_t n, int64_t b, vf* v) const {
+    low.decode(n, b, v);
+    add_fifth_bits(qh + at_unit(n, 2 * b, 2 * kb, 2), qh + at_unit(n, 2 * b + 1, 2 * kb, 2), v);
+  }
+};
+
 struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = false;
@@ -165,10 +182,13 @@ void with_format(int64_t qtype, const std::vector<at::Tensor>& p, int64_t n, int
     case kQ4_1: spec = {{S::Byte, 2}, {S::Half, 32}, {S::Half, 32}}; break;
     case kQ8_0: spec = {{S::Char, 1}, {S::Half, 32}}; break;
     case kQ4_K: spec = {{S::Byte, 2}, {S::Half, 256}, {S::Half, 256}, {S::Byte, 32}, {S::Byte, 32}}; break;
+    case kQ5_K:
+      spec = {{S::Byte, 2}, {S::Byte, 8}, {S::Half, 256}, {S::Half, 256}, {S::Byte, 32}, {S::Byte, 32}};
+      break;
     case kQ6_K: spec = {{S::Byte, 2}, {S::Byte, 4}, {S::Char, 16}, {S::Half, 256}}; break;
     default: TORCH_CHECK(false, "unsupported GGML type ", qtype);
   }
-  const int64_t block = (qtype == kQ4_K || qtype == kQ6_K) ? 256 : 32;
+  const int64_t block = (qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K) ? 256 : 32;
   TORCH_CHECK(k > 0 && k % block == 0, "K=", k, " is not a multiple of ", block);
   TORCH_CHECK(p.size() == spec.size(), "GGML type ", qtype, " has ", spec.size(), " parts, got ", p.size());
   const int64_t groups = (n + kG - 1) / kG;
@@ -184,6 +204,7 @@ void with_format(int64_t qtype, const std::vector<at::Tensor>& p, int64_t n, int
     case kQ4_1: fn(Q4_1(p, k)); break;
     case kQ8_0: fn(Q8_0(p, k)); break;
     case kQ4_K: fn(Q4_K(p, k)); break;
+    case kQ5_K: fn(Q5_K(p, k)); break;
     default: fn(Q6_K(p, k)); break;
   }
 }

@@ -8,6 +8,8 @@ as llama.cpp writes them (ggml-common.h):
     Q8_0   32 weights, 34 bytes: d fp16, 32 int8; w = d * q
     Q4_K  256 weights, 144 bytes: d fp16, dmin fp16, 12 bytes of eight 6-bit scales and
           eight 6-bit mins, 128 bytes of nibbles; w = (d * sc) * q - dmin * m per 32
+    Q5_K  256 weights, 176 bytes: Q4_K's d, dmin and scales, 32 bytes of fifth bits (bit s
+          of byte j: weight 32 s + j), 128 bytes of nibbles as Q4_K's; q = nibble + 16 * bit
     Q6_K  256 weights, 210 bytes: 128 bytes low nibbles, 64 bytes high 2-bit pairs,
           16 int8 scales, d fp16 (last); w = (d * sc) * (q - 32) per 16
 
@@ -31,6 +33,7 @@ class QuantType(IntEnum):
     Q4_1 = 3
     Q8_0 = 8
     Q4_K = 12
+    Q5_K = 13
     Q6_K = 14
 
     @property

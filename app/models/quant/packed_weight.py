@@ -20,13 +20,16 @@ GROUP = 4  # rows per interleaved group (kG in formats.h)
 # before interleaving):
 #   qs/lo  weights in "nibble order": per 32 weights 16 bytes, byte j = w[j] | w[j+16] << 4
 #   hi     Q6_K high bit pairs: per 32 weights 8 bytes, byte j bits 2i..2i+1 = w[j + 8i] >> 4
+#   qh     Q5_K fifth bits: per 32 weights two 16-bit units, bit j of unit 0 = w[j] >> 4, of
+#          unit 1 = w[16 + j] >> 4 (interleaved, a group's four rows' unit 0 make 64 bits)
 #   d, m, dmin fp16 scales (per 32 weights, or per 256 in the K types)
-#   sc, mn Q4_K's 6-bit scales and mins unpacked to one byte per 32; Q6_K's int8 per 16
+#   sc, mn Q4_K's and Q5_K's 6-bit scales and mins unpacked to one byte per 32; Q6_K's int8 per 16
 PART_NAMES: dict[QuantType, tuple[str, ...]] = {
     QuantType.Q4_0: ("qs", "d"),
     QuantType.Q4_1: ("qs", "d", "m"),
     QuantType.Q8_0: ("qs", "d"),
     QuantType.Q4_K: ("qs", "d", "dmin", "sc", "mn"),
+    QuantType.Q5_K: ("qs", "qh", "d", "dmin", "sc", "mn"),
     QuantType.Q6_K: ("lo", "hi", "sc", "d"),
 }
 

@@ -3,8 +3,9 @@
 Repacking separates scales from quants so the kernels load 16 or 32 weight bytes at a
 time, gives every 4-bit type the same nibble order (Q4_0/Q4_1's own), so one decoder
 serves Q4_0, Q4_1 and Q4_K, and interleaves rows in groups of four (packed_weight.py).
-Sizes match the file's except Q4_K, whose 6-bit scales and mins take a byte each: 148
-bytes per 256 weights instead of 144 (+2.8 %), and up to three zero rows of padding.
+Sizes match the file's except Q4_K and Q5_K, whose 6-bit scales and mins take a byte
+each: 148 bytes per 256 weights instead of 144 (+2.8 %), 180 instead of 176 (+2.3 %);
+and up to three zero rows of padding.
 """
 
 import torch
@@ -104,16 +105,12 @@ def _unpack_q8_0(parts, n):
     return torch.cat([_bytes(d), qs.view(torch.uint8).reshape(n, -1, 32)], dim=-1)
 
 
-def _pack_q4_k(b, n):  # (N, NS, 144): d, dmin, 12 scale bytes, 128 nibble bytes
+def _k_scales(b, n):  # Q4_K's and Q5_K's head: d, dmin, 12 bytes of 6-bit scales and mins
     s = b[..., 4:16].reshape(n, -1, 3, 4)
     lo, mid, top = s[..., 0, :], s[..., 1, :], s[..., 2, :]  # see gguf's Q4_K.get_scale_min
     sc = torch.cat([lo & 63, (top & 15) | ((lo >> 2) & 48)], dim=-1)  # (N, NS, 8)
     mn = torch.cat([mid & 63, (top >> 4) | ((mid >> 2) & 48)], dim=-1)
-    # 64 weights per 32 bytes: low nibbles are sub-block 2j, high nibbles 2j + 1
-    q = b[..., 16:].reshape(n, -1, 4, 1, 32)
-    values = torch.cat([q & 15, q >> 4], dim=-2).reshape(n, -1, 32)  # (N, K/32, 32)
     return (
-        _to_nibbles(values).reshape(n, -1),
         _halves(b[..., 0:2]),
         _halves(b[..., 2:4]),
         sc.reshape(n, -1).contiguous(),
@@ -121,15 +118,60 @@ def _pack_q4_k(b, n):  # (N, NS, 144): d, dmin, 12 scale bytes, 128 nibble bytes
     )
 
 
-def _unpack_q4_k(parts, n):
-    qs, d, dmin, sc, mn = parts
+def _k_head(d, dmin, sc, mn, n):
     sc, mn = sc.reshape(n, -1, 8), mn.reshape(n, -1, 8)
     lo = sc[..., :4] | ((sc[..., 4:] & 48) << 2)
     mid = mn[..., :4] | ((mn[..., 4:] & 48) << 2)
     top = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
-    values = _from_nibbles(qs.reshape(n, -1, 16)).reshape(n, -1, 4, 2, 32)
-    q = values[..., 0, :] | (values[..., 1, :] << 4)  # (N, NS, 4, 32)
-    return torch.cat([_bytes(d), _bytes(dmin), lo, mid, top, q.reshape(n, -1, 128)], dim=-1)
+    return [_bytes(d), _bytes(dmin), lo, mid, top]
+
+
+def _k_nibbles(q, n):
+    """(N, NS, 128) bytes, 64 weights per 32 (low nibbles sub-block 2j, high 2j + 1) ->
+    (N, K/32, 32) values."""
+    q = q.reshape(n, -1, 4, 1, 32)
+    return torch.cat([q & 15, q >> 4], dim=-2).reshape(n, -1, 32)
+
+
+def _k_bytes(values, n):
+    """The inverse of _k_nibbles."""
+    values = values.reshape(n, -1, 4, 2, 32)
+    return (values[..., 0, :] | (values[..., 1, :] << 4)).reshape(n, -1, 128)
+
+
+def _pack_q4_k(b, n):  # (N, NS, 144): d, dmin, 12 scale bytes, 128 nibble bytes
+    values = _k_nibbles(b[..., 16:], n)
+    return (_to_nibbles(values).reshape(n, -1), *_k_scales(b, n))
+
+
+def _unpack_q4_k(parts, n):
+    qs, d, dmin, sc, mn = parts
+    values = _from_nibbles(qs.reshape(n, -1, 16))
+    return torch.cat([*_k_head(d, dmin, sc, mn, n), _k_bytes(values, n)], dim=-1)
+
+
+_BIT = 1 << torch.arange(8, dtype=torch.int32)  # bit j of a byte
+
+
+def _pack_q5_k(b, n):  # (N, NS, 176): d, dmin, 12 scale bytes, 32 fifth-bit bytes, 128 nibbles
+    qh = b[..., 16:48].reshape(n, -1, 1, 32).int()
+    fifth = (
+        qh >> torch.arange(8, dtype=torch.int32).view(8, 1)
+    ) & 1  # (N, NS, 8, 32): weight 32 s + j
+    # per 32 weights 4 bytes, bit j of byte i = w[8 i + j] >> 4: two little-endian units
+    bits = (fifth.reshape(n, -1, 4, 8) * _BIT).sum(-1).to(torch.uint8).reshape(n, -1)
+    values = _k_nibbles(b[..., 48:], n)
+    return (_to_nibbles(values).reshape(n, -1), bits.contiguous(), *_k_scales(b, n))
+
+
+def _unpack_q5_k(parts, n):
+    qs, qh, d, dmin, sc, mn = parts
+    fifth = (qh.reshape(n, -1, 4, 1).int() & _BIT) != 0  # (N, K/32, 4, 8)
+    fifth = fifth.int().reshape(n, -1, 8, 32)  # (N, NS, sub-block s, weight j)
+    packed = (fifth * _BIT.view(8, 1)).sum(-2).to(torch.uint8)  # (N, NS, 32)
+    values = _from_nibbles(qs.reshape(n, -1, 16))
+    head = _k_head(d, dmin, sc, mn, n)
+    return torch.cat([*head, packed, _k_bytes(values, n)], dim=-1)
 
 
 def _pack_q6_k(b, n):  # (N, NS, 210): 128 low-nibble bytes, 64 high-pair bytes, 16 sc, d
@@ -179,6 +221,7 @@ UNITS = {
     QuantType.Q4_1: (16, 1, 1),
     QuantType.Q8_0: (32, 1),
     QuantType.Q4_K: (16, 1, 1, 1, 1),
+    QuantType.Q5_K: (16, 2, 1, 1, 1, 1),
     QuantType.Q6_K: (16, 8, 1, 1),
 }
 
@@ -187,6 +230,7 @@ _PACK = {
     QuantType.Q4_1: _pack_q4_1,
     QuantType.Q8_0: _pack_q8_0,
     QuantType.Q4_K: _pack_q4_k,
+    QuantType.Q5_K: _pack_q5_k,
     QuantType.Q6_K: _pack_q6_k,
 }
 _UNPACK = {
@@ -194,5 +238,6 @@ _UNPACK = {
     QuantType.Q4_1: _unpack_q4_1,
     QuantType.Q8_0: _unpack_q8_0,
     QuantType.Q4_K: _unpack_q4_k,
+    QuantType.Q5_K: _unpack_q5_k,
     QuantType.Q6_K: _unpack_q6_k,
 }

@@ -65,6 +65,17 @@ inline void decode_nib(const uint8_t* q, vf* v) {
   v[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
 }
 
+// Q5_K: 16 added to weight j where bit j of the 16-bit units lo (weights 0..15) or hi
+// (16..31) is set.
+inline void add_fifth_bits(const uint8_t* lo, const uint8_t* hi, vf* v) {
+  uint16_t l, h;
+  std::memcpy(&l, lo, 2);
+  std::memcpy(&h, hi, 2);
+  const __m512 k16 = _mm512_set1_ps(16.f);
+  v[0] = _mm512_mask_add_ps(v[0], l, v[0], k16);
+  v[1] = _mm512_mask_add_ps(v[1], h, v[1], k16);
+}
+
 inline void decode_i8(const int8_t* q, vf* v) {
   for (int i = 0; i < 2; ++i)
     v[i] = _mm512_cvtepi32_ps(
@@ -121,6 +132,17 @@ inline void decode_nib(const uint8_t* q, vf* v) {
   v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(w1, m));
   v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
   v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
+}
+
+// Q5_K: vector i (weights 8i..8i+7) adds 16 where its byte of the units' bits is set.
+inline void add_fifth_bits(const uint8_t* lo, const uint8_t* hi, vf* v) {
+  const uint8_t bytes[4] = {lo[0], lo[1], hi[0], hi[1]};
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 k16 = _mm256_set1_ps(16.f);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bytes[i]), bit), bit);
+    v[i] = _mm256_add_ps(v[i], _mm256_and_ps(_mm256_castsi256_ps(set), k16));
+  }
 }
 
 inline void decode_i8(const int8_t* q, vf* v) {
@@ -190,6 +212,13 @@ inline void vsum4(const vf* a, float* out) {
 // Weight j of a block goes to lane j % kW of vector j / kW.
 inline void decode_nib(const uint8_t* q, vf* v) {
   for (int j = 0; j < 32; ++j) v[j / kW].v[j % kW] = float(j < 16 ? q[j] & 15 : q[j - 16] >> 4);
+}
+
+inline void add_fifth_bits(const uint8_t* lo, const uint8_t* hi, vf* v) {
+  for (int j = 0; j < 32; ++j) {
+    const uint8_t* unit = j < 16 ? lo : hi;
+    if ((unit[(j % 16) / 8] >> (j % 8)) & 1) v[j / kW].v[j % kW] += 16.f;
+  }
 }
 
 inline void decode_i8(const int8_t* q, vf* v) {
