@@ -178,12 +178,13 @@ def test_qk_norms_fused_equals_python(tmp_path: Path):
         ("qwen3-moe", "Q8_0", {}),
         ("mixtral", "Q4_0", {}),
         ("qwen3-moe", "Q4_K", dict(hidden_size=256, moe_intermediate_size=256, num_experts=8)),
+        ("qwen2-moe", "Q4_1", dict(mlp_only_layers=[])),  # a shared expert, its gate Q8_0
     ],
 )
 def test_moe_fused_equals_python(tmp_path: Path, monkeypatch, family, experts, shape):
     """Routed experts kept quantized, in the layer's one call (router float32, as
-    llama.cpp files keep it; then quantized too): the Python layer's bits, int8 and
-    float activations."""
+    llama.cpp files keep it; then quantized too; a shared expert's gate quantized, then
+    float32): the Python layer's bits, int8 and float activations."""
     directory = save_family_checkpoint(tmp_path, family, **shape)
     q8, kind = gguf.GGMLQuantizationType.Q8_0, getattr(gguf.GGMLQuantizationType, experts)
     path = write_gguf(directory, directory / "moe.gguf", qtype=q8, expert_qtype=kind)
@@ -198,6 +199,12 @@ def test_moe_fused_equals_python(tmp_path: Path, monkeypatch, family, experts, s
         raw = torch.from_numpy(gguf.quants.quantize(w, q8))
         gate.set_segment(0, QuantizedTensor(raw, int(q8), w.shape[1]))
         layer.mlp.gate = gate
+        if layer.mlp.shared_expert_gate is not None:  # as llama-quantize leaves it
+            assert isinstance(layer.mlp.shared_expert_gate, QuantLinear)
+            quantized_gate = layer.mlp.shared_expert_gate
+            layer.mlp.shared_expert_gate = nn.Linear(w.shape[1], 1, bias=False)
+            dense = quantized_gate(torch.eye(w.shape[1])).T.contiguous()  # (1, hidden)
+            layer.mlp.shared_expert_gate.weight.data.copy_(dense)
     assert fuse_decode_layers(model)
     _assert_same(engine, _tiny_prompts(5))
     monkeypatch.setattr(quant, "float_activations", True)
@@ -208,10 +215,6 @@ def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
     directory = save_family_checkpoint(tmp_path, "gemma2")  # sandwich norms, soft-capping
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     assert not cpu_engine(path, quantization="gguf").loaded.model.model.fused_decode
-    shared = save_family_checkpoint(tmp_path / "shared", "qwen2-moe", mlp_only_layers=[])
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    shared_gguf = write_gguf(shared, shared / "q4.gguf", qtype=q4, expert_qtype=q4)
-    assert not cpu_engine(shared_gguf, quantization="gguf").loaded.model.model.fused_decode
     floats = save_family_checkpoint(tmp_path / "floats", "qwen3-moe")  # experts as floats
     floats_gguf = write_gguf(floats, floats / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     assert not cpu_engine(floats_gguf, quantization="gguf").loaded.model.model.fused_decode
@@ -273,8 +276,8 @@ def test_kv_cache_dtype_is_the_models_or_16_bits_under_float32(tmp_path: Path, m
 
 
 # Whether each family's int8 model takes the fused layers; since the allowlist, only
-# what DecodeLayer learned may change (q/k norms: Qwen3; experts, which int8 keeps as
-# floats: those models' fields now pass, their layers still do not).
+# what DecodeLayer learned may change (q/k norms: Qwen3; experts and shared experts,
+# which int8 keeps as floats: those models' fields now pass, their layers still do not).
 FUSED_BEFORE = {
     "llama": True,
     "qwen2": True,  # a q/k/v bias
@@ -287,10 +290,14 @@ FUSED_BEFORE = {
     "gemma3": False,  # sandwich norms, q/k norms, GELU
     "phi4-mini": False,  # partial RoPE
     "mixtral": False,  # experts not kept quantized under int8
-    "qwen2-moe": False,  # a shared expert
+    "qwen2-moe": False,  # experts not kept quantized under int8
     "qwen3-moe": False,  # experts not kept quantized under int8
 }
-FIELDS_PASS = {"mixtral": True, "qwen3-moe": True}  # ... though the layers do not fuse
+FIELDS_PASS = {
+    "mixtral": True,
+    "qwen2-moe": True,
+    "qwen3-moe": True,
+}  # ... though the layers do not fuse
 _TINY = ("llama", "qwen2", "mistral")
 
 

@@ -1,7 +1,8 @@
 // A whole pre-norm decoder layer in one call (app/models/quant/fused_decode.py):
 //   h' + mlp(norm2(h')) where h' = h + o(attention(rope(qkv(norm1(h)))))
 // with, where set after construction, RMSNorm over each query and key head before RoPE
-// (Qwen3) and routed experts for the MLP (moe_experts.cpp: Qwen3-MoE, Mixtral).
+// (Qwen3) and routed experts for the MLP (moe_experts.cpp: Qwen3-MoE, Mixtral), with a
+// gated shared expert beside them (Qwen2-MoE).
 // for a step whose every token goes through the decode kernel (decodes; prompt tokens too
 // under TorchPagedAttention.token_by_token), on quantised weights and float32 hidden states.
 //
@@ -106,6 +107,19 @@ class DecodeLayer {
     moe_ = MoeWeights{top_k, normalize, gu_qtype, std::move(gu_parts), dn_qtype, std::move(dn_parts), inter};
   }
 
+  // A shared expert (a dense MLP every token takes), added to the routed sum scaled by
+  // sigmoid(gate(x)): the gate packed runs or, with none, a float weight (1, hidden).
+  void set_shared_expert(const std::vector<RunSpec>& gate_up, const std::vector<RunSpec>& down,
+                         const std::vector<RunSpec>& gate, std::optional<Tensor> gate_weight) {
+    TORCH_CHECK(moe_ && shared_down_.n == 0, "set_moe first, and one shared expert");
+    TORCH_CHECK(gate.empty() != !gate_weight.has_value(), "one gate for the shared expert");
+    shared_gate_up_ = Linear(gate_up);
+    shared_down_ = Linear(down);
+    TORCH_CHECK(shared_down_.n == input_norm_.size(0) && shared_gate_up_.n % 2 == 0, "shared expert shapes");
+    shared_gate_ = Linear(gate);
+    shared_gate_weight_ = std::move(gate_weight);
+  }
+
   // h (T, hidden) float32, one decode token per row; cos/sin (T, head_dim) float32; slots
   // (T,) int64 cache slots of this step's tokens; tables (T, blocks) and lens (T,) int32
   // as paged_decode_attention takes them. Returns the layer's output (T, hidden).
@@ -148,7 +162,13 @@ class DecodeLayer {
     shoal_cpu::rms_norm_impl<float>(x, h1, post_attention_norm_, eps_);
     if (moe_) {
       const Tensor logits = router_weight_ ? at::linear(x, *router_weight_) : router_(x, activations);
-      return h1 + moe_experts(x, logits, *moe_, activations);
+      Tensor out = moe_experts(x, logits, *moe_, activations);
+      if (shared_down_.n > 0) {  // SparseMoE.forward's order: the expert, then its gate
+        const Tensor shared = shared_down_(shoal_cpu::silu_mul(shared_gate_up_(x, activations)), activations);
+        const Tensor g = shared_gate_weight_ ? at::linear(x, *shared_gate_weight_) : shared_gate_(x, activations);
+        out += at::sigmoid(g) * shared;
+      }
+      return h1 + out;
     }
     const Tensor gate_up = gate_up_(x, activations);
     const Tensor hidden = shoal_cpu::silu_mul(gate_up);
@@ -179,6 +199,9 @@ class DecodeLayer {
   Linear router_{std::vector<RunSpec>{}};
   std::optional<Tensor> router_weight_;
   std::optional<MoeWeights> moe_;
+  Linear shared_gate_up_{std::vector<RunSpec>{}}, shared_down_{std::vector<RunSpec>{}};
+  Linear shared_gate_{std::vector<RunSpec>{}};
+  std::optional<Tensor> shared_gate_weight_;
 };
 
 }  // namespace
@@ -191,6 +214,7 @@ void bind_decode_layer(pybind11::module_& m) {
                           int64_t, int64_t, int64_t, double, int64_t>())
       .def("set_qk_norms", &DecodeLayer::set_qk_norms, "RMSNorm over each query and key head")
       .def("set_moe", &DecodeLayer::set_moe, "routed experts in place of the dense MLP")
+      .def("set_shared_expert", &DecodeLayer::set_shared_expert, "a gated shared expert beside them")
       .def("forward", &DecodeLayer::forward, "the layer's output for a step of decodes", no_gil());
 }
 

@@ -70,9 +70,9 @@ FUSED_ARCH: dict[str, Callable[[Any, ArchConfig], bool]] = {
     "hidden_act": lambda act, arch: act == "silu",  # silu_mul
     "rotary_dim": lambda dim, arch: dim in (None, arch.head_dim),  # RoPE over whole heads
     "qk_norm": _any,  # DecodeLayer.set_qk_norms
-    # routed experts without a shared one (DecodeLayer.set_moe); float32 weighting is
-    # moot, activations being float32
-    "moe": lambda moe, arch: moe is None or moe.shared_intermediate_size == 0,
+    # routed experts (DecodeLayer.set_moe), a shared expert (set_shared_expert), dense
+    # layers between; float32 weighting is moot, activations being float32
+    "moe": _any,
 }
 
 
@@ -141,6 +141,7 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
         norms += [attn.q_norm, attn.k_norm]
     sparse = isinstance(mlp, SparseMoE)
     experts = _experts(mlp) if sparse else None  # DecodeLayer.set_moe's arguments
+    shared = _shared_expert(mlp) if sparse and mlp.shared_expert is not None else None
     if (
         not set(attn.attn_options) <= {"window"}  # the only option DecodeLayer takes
         or attn.exact
@@ -148,6 +149,7 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
         or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
         or not (isinstance(mlp, DenseMLP) or sparse)
         or (sparse and experts is None)
+        or (sparse and mlp.shared_expert is not None and shared is None)
         or (not sparse and (mlp.exact or mlp.fused is not None))  # exact: torch's silu
     ):
         return None
@@ -176,6 +178,8 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
         native.set_qk_norms(attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
     if experts is not None:
         native.set_moe(*experts)
+        if mlp.shared_expert is not None:
+            native.set_shared_expert(*shared)
     return FusedDecodeLayer(native, layer)
 
 
@@ -210,6 +214,22 @@ def _experts(mlp: SparseMoE) -> tuple | None:
         dn_parts,
         mlp.inter,
     )
+
+
+def _shared_expert(mlp: SparseMoE) -> tuple | None:
+    """DecodeLayer.set_shared_expert's arguments, or None where the C++ cannot run it."""
+    expert, gate = mlp.shared_expert, mlp.shared_expert_gate
+    runs = [_runs(m) for m in (expert.gate_up_proj, expert.down_proj)]
+    if expert.exact or expert.fused is not None or expert.act != "silu" or None in runs:
+        return None
+    if any(m.bias is not None for m in (expert.gate_up_proj, expert.down_proj, gate)):
+        return None
+    gate_runs, weight = _runs(gate), None
+    if gate_runs is None:  # a float gate
+        if isinstance(gate, QuantLinear) or gate.weight.dtype != torch.float32:
+            return None
+        gate_runs, weight = [], gate.weight.detach()
+    return (*runs, gate_runs, weight)
 
 
 def _runs(linear: Any) -> list[RunSpec] | None:
