@@ -92,12 +92,6 @@ struct Q8_0 {  // w = d * q
   void decode(int64_t n, int64_t b, vf* v) const { decode_i8(qs + at_unit(n, b, kb, 32), v); }
 };
 
-// The four rows' factors for one super-block, repeated to fill 8 lanes: multipliers for
-// 8 consecutive bytes of a (unit, row)-ordered array.
-inline void row_factors(const uint16_t* h, float sign, float* f8) {
-  for (int r = 0; r < kG; ++r) f8[r] = f8[r + kG] = sign * half_to_float(h[r]);
-}
-
 struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per 256
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
@@ -110,16 +104,10 @@ struct Q4_K {  // w = (d * sc) * q - dmin * mn, sc/mn per 32 weights, d/dmin per
       : qs(p[0].data_ptr<uint8_t>()), sc(p[3].data_ptr<uint8_t>()), mn(p[4].data_ptr<uint8_t>()),
         d(halves(p[1])), dmin(halves(p[2])), kb(k / 32) {}
   void scales(int64_t g, float* s, float* off) const {
-    const int64_t ns = kb / 8;
-    float fd[8], fm[8];
-    for (int64_t j = 0; j < ns; ++j) {  // 8 blocks x 4 rows of bytes per super-block
-      row_factors(d + (g * ns + j) * kG, 1.f, fd);
-      row_factors(dmin + (g * ns + j) * kG, -1.f, fm);
-      const int64_t at = (g * kb + 8 * j) * kG;
-      for (int i = 0; i < 8 * kG; i += 8) {
-        mul_u8x8(sc + at + i, fd, s + 8 * j * kG + i);
-        mul_u8x8(mn + at + i, fm, off + 8 * j * kG + i);
-      }
+    for (int64_t j = 0; j < kb / 8; ++j) {  // 8 blocks x 4 rows of bytes per super-block
+      const int64_t at = (g * kb + 8 * j) * kG, h = (g * (kb / 8) + j) * kG;
+      k_scales(sc + at, d + h, 1.f, s + 8 * j * kG, 8 * kG);
+      k_scales(mn + at, dmin + h, -1.f, off + 8 * j * kG, 8 * kG);
     }
   }
   void decode(int64_t n, int64_t b, vf* v) const { decode_nib(qs + at_unit(n, b, kb, 16), v); }
@@ -155,13 +143,8 @@ struct Q6_K {  // w = (d * sc) * (q - 32), sc per 16 weights, d per 256
       : lo(p[0].data_ptr<uint8_t>()), hi(p[1].data_ptr<uint8_t>()), sc(p[2].data_ptr<int8_t>()),
         d(halves(p[3])), kb(k / 32) {}
   void scales(int64_t g, float* s, float*) const {
-    const int64_t ns = kb / 8;
-    float fd[8];
-    for (int64_t j = 0; j < ns; ++j) {  // 16 scales x 4 rows per super-block
-      row_factors(d + (g * ns + j) * kG, 1.f, fd);
-      const int64_t at = (g * 2 * kb + 16 * j) * kG;
-      for (int i = 0; i < 16 * kG; i += 8) mul_i8x8(sc + at + i, fd, s + 16 * j * kG + i);
-    }
+    for (int64_t j = 0; j < kb / 8; ++j)  // 16 scales x 4 rows per super-block
+      k_scales(sc + (g * 2 * kb + 16 * j) * kG, d + (g * (kb / 8) + j) * kG, 1.f, s + 16 * j * kG, 16 * kG);
   }
   void decode(int64_t n, int64_t b, vf* v) const {
     decode_q6(lo + at_unit(n, b, kb, 16), hi + at_unit(n, b, kb, 8), v);

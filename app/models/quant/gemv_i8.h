@@ -14,6 +14,8 @@
 // of several rows, and each is scaled in float; lanes are summed per row at the end.
 #pragma once
 
+
+
 #include <cstdint>
 #include <cstring>
 
@@ -47,6 +49,18 @@ using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64
 #if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 // 256-bit vectors in an AVX-512 build without VNNI too (simd.h's vf is wider there).
 
+// A pass asks for the quants 2 KB ahead of the block it reads (the group's next ones,
+// then the next group's, which its thread takes next): the hardware prefetchers alone
+// left a decode step's expert products at 14 GB/s of this machine's 25 (a 64-expert
+// model's 570 MB, out of cache), 2-4 KB ahead brought them to 19-21, 1.3-1.4x faster
+// (2 threads, AVX-512 VNNI; 8 and 256 rows of x alike).
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_ahead(const void* p, int lines = 1) {
+  for (int i = 0; i < lines; ++i)
+    _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + 64 * i, _MM_HINT_T0);
+}
+
 #ifdef SHOAL_QUANT_VNNI
 // With AVX512-VNNI one 64-byte load holds the whole group's block (four rows of 16 bytes)
 // and dpbusd takes it against x's half-block repeated four times: two instructions make
@@ -65,6 +79,7 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
+    prefetch_ahead(q + b * 64);
     const __m512i v = _mm512_loadu_si512(q + b * 64);
     const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     const __m512 sw = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(scale + b * kG)));
@@ -117,6 +132,7 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
   for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
     // a register holds two rows' 16 bytes: lanes 0..15 the first row's, 16..31 the second's
+    prefetch_ahead(q + b * 64);
     const __m256i v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 64));
     const __m256i v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 64 + 32));
     const __m256i lo01 = _mm256_and_si256(v01, m4), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), m4);
@@ -156,6 +172,7 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
   __m512 acc01[TT], acc23[TT];
   for (int t = 0; t < TT; ++t) acc01[t] = acc23[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
+    prefetch_ahead(q + b * kG * 32, 2);
     const __m512i w01 = _mm512_loadu_si512(q + b * kG * 32), w23 = _mm512_loadu_si512(q + b * kG * 32 + 64);
     const __m512i a01 = _mm512_abs_epi8(w01), a23 = _mm512_abs_epi8(w23);  // -128 too, as unsigned 128
     const __mmask64 n01 = _mm512_movepi8_mask(w01), n23 = _mm512_movepi8_mask(w23);
@@ -191,6 +208,7 @@ void byte_rows(const int8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, con
   __m256 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
+    prefetch_ahead(q + b * kG * 32, 2);
     __m256i w[kG], aw[kG];
     for (int r = 0; r < kG; ++r) {
       w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b * kG + r) * 32));
