@@ -129,7 +129,7 @@ def completions_tok_s(url: str, model: str, clients: int, rounds: int, salt: int
 
     vocab = SHAPE["vocab_size"]
 
-    async def client(http: httpx.AsyncClient, i: int) -> int:
+    async def client(http: httpx.AsyncClient, i: int | str) -> int:
         tokens = 0
         for r in range(rounds):
             rng = random.Random(f"{salt}-{i}-{r}")
@@ -140,7 +140,9 @@ def completions_tok_s(url: str, model: str, clients: int, rounds: int, salt: int
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
+                "stream_options": {"include_usage": True},
             }
+            usage, chunks = None, 0
             async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
@@ -148,22 +150,27 @@ def completions_tok_s(url: str, model: str, clients: int, rounds: int, salt: int
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
                             raise RuntimeError(chunk["error"])
-            tokens += 128  # ignore_eos: every request runs to max_tokens (both servers)
+                        usage = chunk.get("usage") or usage
+                        chunks += any(c.get("text") for c in chunk.get("choices", []))
+            # the server's own count; else a chunk a token (llama-server streams so)
+            tokens += usage["completion_tokens"] if usage else chunks
         return tokens
 
-    async def level(n: int) -> float:
+    async def level(n: int, label: str) -> float:
         limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
         async with httpx.AsyncClient(timeout=900, limits=limits) as http:
             start = time.perf_counter()
-            tokens = sum(await asyncio.gather(*(client(http, i) for i in range(n))))
+            ids = [f"{label}{i}" for i in range(n)]
+            tokens = sum(await asyncio.gather(*(client(http, i) for i in ids)))
             return tokens / (time.perf_counter() - start)
 
-    asyncio.run(level(1))  # warm-up
-    return round(asyncio.run(level(clients)), 1)
+    asyncio.run(level(1, "warm-up"))
+    return round(asyncio.run(level(clients, "")), 1)
 
 
-def serve_tok_s(path: Path, clients: int, rounds: int) -> float:
-    """Shoal's Serve app on a local Ray, serving the file with `quantization: auto`."""
+def serve_tok_s(path: Path, threads: int, clients: int, rounds: int) -> float:
+    """Shoal's Serve app on a local Ray, serving the file with `quantization: auto` on
+    `threads` threads."""
     import ray
     from ray import serve
     from serve_overhead import wait_healthy
@@ -181,6 +188,7 @@ def serve_tok_s(path: Path, clients: int, rounds: int) -> float:
                         "model": str(path),
                         "quantization": "auto",
                         "kv_cache_memory_gib": 1.0,
+                        "num_threads": threads,
                     },
                 }
             ],
@@ -261,7 +269,7 @@ def main() -> None:
                 peer = llama_server_tok_s(server, path, args.threads, 32, args.serve_rounds)
                 result["llama_server_32_tok_s"] = peer
                 print(f"llama-server, 32 streams: {peer} tok/s")
-            result["serve_32_tok_s"] = serve_tok_s(path, 32, args.serve_rounds)
+            result["serve_32_tok_s"] = serve_tok_s(path, args.threads, 32, args.serve_rounds)
             print(f"shoal through Serve, 32 streams: {result['serve_32_tok_s']} tok/s")
             if server:
                 result["serve_32_over_llama_server"] = round(

@@ -211,6 +211,19 @@ def test_moe_fused_equals_python(tmp_path: Path, monkeypatch, family, experts, s
     _assert_same(engine, _tiny_prompts(20))
 
 
+@pytest.mark.parametrize("family", ["qwen2-moe", "qwen3-moe"])
+def test_moe_of_16_bit_activations_loads_on_python(tmp_path: Path, family: str):
+    """bfloat16 hidden states get their float routers and gates prepacked (PackedLinear,
+    no .weight): the fused layer is not for them, and asking must not fail the load."""
+    shape = dict(mlp_only_layers=[]) if family == "qwen2-moe" else {}
+    directory = save_family_checkpoint(tmp_path, family, **shape)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = write_gguf(directory, directory / "moe.gguf", qtype=q8, expert_qtype=q8)
+    engine = cpu_engine(path, quantization="gguf", dtype="bfloat16")
+    assert not engine.loaded.model.model.fused_decode
+    assert engine.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+
+
 def test_layers_it_does_not_cover_stay_on_python(tmp_path: Path, monkeypatch):
     directory = save_family_checkpoint(tmp_path, "gemma2")  # sandwich norms, soft-capping
     path = write_gguf(directory, directory / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)

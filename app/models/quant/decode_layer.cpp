@@ -14,6 +14,7 @@
 // calls and ~100 attribute lookups per layer, about half of a 135M model's decode step.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -46,6 +47,11 @@ struct Linear {
       runs.push_back({qtype, parts, rows, k, start});
       n = std::max(n, start + rows);
     }
+  }
+
+  // Whether every run takes rows of k weights (matmul_into trusts x's width).
+  bool takes(int64_t k) const {
+    return std::all_of(runs.begin(), runs.end(), [k](const Run& r) { return r.k == k; });
   }
 
   // A new (T, n) float32 tensor: x @ W^T, run by run, as QuantLinear.forward does.
@@ -113,10 +119,16 @@ class DecodeLayer {
                          const std::vector<RunSpec>& gate, std::optional<Tensor> gate_weight) {
     TORCH_CHECK(moe_ && shared_down_.n == 0, "set_moe first, and one shared expert");
     TORCH_CHECK(gate.empty() != !gate_weight.has_value(), "one gate for the shared expert");
-    shared_gate_up_ = Linear(gate_up);
-    shared_down_ = Linear(down);
-    TORCH_CHECK(shared_down_.n == input_norm_.size(0) && shared_gate_up_.n % 2 == 0, "shared expert shapes");
-    shared_gate_ = Linear(gate);
+    const int64_t hidden = input_norm_.size(0);
+    const Linear gu(gate_up), dn(down), g(gate);
+    TORCH_CHECK(gu.n % 2 == 0 && gu.takes(hidden) && dn.n == hidden && dn.takes(gu.n / 2) &&
+                    (gate_weight ? gate_weight->dim() == 2 && gate_weight->size(0) == 1 &&
+                                       gate_weight->size(1) == hidden && gate_weight->scalar_type() == at::kFloat
+                                 : g.n == 1 && g.takes(hidden)),
+                "shared expert shapes do not fit a hidden size of ", hidden);
+    shared_gate_up_ = gu;
+    shared_down_ = dn;
+    shared_gate_ = g;
     shared_gate_weight_ = std::move(gate_weight);
   }
 

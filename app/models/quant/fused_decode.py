@@ -6,7 +6,7 @@ token goes through the decode kernel (decodes; with TorchPagedAttention.token_by
 prompt tokens too), DecoderModel hands each layer to its `fused_decode` instead, which
 runs the same ops in the same order from C++ and so returns the same bits. A model
 whose ArchConfig asks for anything the C++ does not run (FUSED_ARCH below: sandwich
-norms, soft-capped scores, partial RoPE, a shared expert, a switch added since), or
+norms, soft-capped scores, partial RoPE, a switch added since), or
 whose layers it cannot take as loaded (float weights, experts not kept quantized, tensor
 parallelism, non-float32 activations), stays whole on the Python path. SHOAL_FUSED_DECODE=0 turns it off.
 """
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from app.models import quant
 from app.models.arch import ArchConfig
@@ -139,6 +140,8 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if attn.q_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
+    if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+        return None  # and a model of other activations has its float linears prepacked
     sparse = isinstance(mlp, SparseMoE)
     experts = _experts(mlp) if sparse else None  # DecodeLayer.set_moe's arguments
     shared = _shared_expert(mlp) if sparse and mlp.shared_expert is not None else None
@@ -146,7 +149,6 @@ def _fuse(module: Any, layer: DecoderLayer) -> FusedDecodeLayer | None:
         not set(attn.attn_options) <= {"window"}  # the only option DecodeLayer takes
         or attn.exact
         or any(n.exact or n.eps != norms[0].eps for n in norms)
-        or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
         or not (isinstance(mlp, DenseMLP) or sparse)
         or (sparse and experts is None)
         or (sparse and mlp.shared_expert is not None and shared is None)
@@ -198,7 +200,7 @@ def _experts(mlp: SparseMoE) -> tuple | None:
     router = _runs(mlp.gate)
     weight = None
     if router is None:  # a float router (llama.cpp files keep it float32)
-        if isinstance(mlp.gate, QuantLinear) or mlp.gate.weight.dtype != torch.float32:
+        if type(mlp.gate) is not nn.Linear or mlp.gate.weight.dtype != torch.float32:
             return None
         router, weight = [], mlp.gate.weight.detach()
     gu_type, gu_parts = experts.gate_up.kernel_args
@@ -226,7 +228,7 @@ def _shared_expert(mlp: SparseMoE) -> tuple | None:
         return None
     gate_runs, weight = _runs(gate), None
     if gate_runs is None:  # a float gate
-        if isinstance(gate, QuantLinear) or gate.weight.dtype != torch.float32:
+        if type(gate) is not nn.Linear or gate.weight.dtype != torch.float32:
             return None
         gate_runs, weight = [], gate.weight.detach()
     return (*runs, gate_runs, weight)

@@ -14,8 +14,6 @@
 // of several rows, and each is scaled in float; lanes are summed per row at the end.
 #pragma once
 
-
-
 #include <cstdint>
 #include <cstring>
 

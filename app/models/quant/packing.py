@@ -150,25 +150,26 @@ def _unpack_q4_k(parts, n):
     return torch.cat([*_k_head(d, dmin, sc, mn, n), _k_bytes(values, n)], dim=-1)
 
 
-_BIT = 1 << torch.arange(8, dtype=torch.int32)  # bit j of a byte
-
-
 def _pack_q5_k(b, n):  # (N, NS, 176): d, dmin, 12 scale bytes, 32 fifth-bit bytes, 128 nibbles
-    qh = b[..., 16:48].reshape(n, -1, 1, 32).int()
-    fifth = (
-        qh >> torch.arange(8, dtype=torch.int32).view(8, 1)
-    ) & 1  # (N, NS, 8, 32): weight 32 s + j
-    # per 32 weights 4 bytes, bit j of byte i = w[8 i + j] >> 4: two little-endian units
-    bits = (fifth.reshape(n, -1, 4, 8) * _BIT).sum(-1).to(torch.uint8).reshape(n, -1)
+    qh = b[..., 16:48].reshape(n, -1, 1, 32)
+    shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+    fifth = ((qh >> shifts) & 1).reshape(n, -1, 4, 8)  # weight 32 s + j, 8 at a time
+    # per 32 weights 4 bytes, bit j of byte i = w[8 i + j] >> 4: two little-endian units.
+    # uint8 throughout: a wider dtype took ~17 bytes per weight while loading.
+    bits = fifth[..., 0].clone()
+    for j in range(1, 8):
+        bits |= fifth[..., j] << j
     values = _k_nibbles(b[..., 48:], n)
-    return (_to_nibbles(values).reshape(n, -1), bits.contiguous(), *_k_scales(b, n))
+    return (_to_nibbles(values).reshape(n, -1), bits.reshape(n, -1), *_k_scales(b, n))
 
 
 def _unpack_q5_k(parts, n):
     qs, qh, d, dmin, sc, mn = parts
-    fifth = (qh.reshape(n, -1, 4, 1).int() & _BIT) != 0  # (N, K/32, 4, 8)
-    fifth = fifth.int().reshape(n, -1, 8, 32)  # (N, NS, sub-block s, weight j)
-    packed = (fifth * _BIT.view(8, 1)).sum(-2).to(torch.uint8)  # (N, NS, 32)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    fifth = ((qh.reshape(n, -1, 4, 1) >> shifts) & 1).reshape(n, -1, 8, 32)  # (N, NS, s, j)
+    packed = fifth[..., 0, :].clone()
+    for s in range(1, 8):
+        packed |= fifth[..., s, :] << s
     values = _from_nibbles(qs.reshape(n, -1, 16))
     head = _k_head(d, dmin, sc, mn, n)
     return torch.cat([*head, packed, _k_bytes(values, n)], dim=-1)
