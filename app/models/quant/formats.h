@@ -120,13 +120,13 @@ struct Q5_K {  // Q4_K's w with q = nibble + 16 * fifth bit (0..31)
   static constexpr int64_t kFloatGemvMaxT = 12;
   Q4_K low;  // the nibbles, scales and mins, laid out as Q4_K's
   const uint8_t* qh;
-  int64_t kb;
   Q5_K(const std::vector<at::Tensor>& p, int64_t k)
-      : low({p[0], p[2], p[3], p[4], p[5]}, k), qh(p[1].data_ptr<uint8_t>()), kb(k / 32) {}
+      : low({p[0], p[2], p[3], p[4], p[5]}, k), qh(p[1].data_ptr<uint8_t>()) {}
   void scales(int64_t g, float* s, float* off) const { low.scales(g, s, off); }
   void decode(int64_t n, int64_t b, vf* v) const {
     low.decode(n, b, v);
-    add_fifth_bits(qh + at_unit(n, 2 * b, 2 * kb, 2), qh + at_unit(n, 2 * b + 1, 2 * kb, 2), v);
+    const int64_t units = 2 * low.kb;  // two 16-bit units of fifth bits per block
+    add_fifth_bits(qh + at_unit(n, 2 * b, units, 2), qh + at_unit(n, 2 * b + 1, units, 2), v);
   }
 };
 

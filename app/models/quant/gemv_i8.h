@@ -129,8 +129,8 @@ void nibble_rows(const uint8_t* q, int64_t kb, const QuantizedX& x, int64_t t0, 
   __m256 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
-    // a register holds two rows' 16 bytes: lanes 0..15 the first row's, 16..31 the second's
     prefetch_ahead(q + b * 64);
+    // a register holds two rows' 16 bytes: lanes 0..15 the first row's, 16..31 the second's
     const __m256i v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 64));
     const __m256i v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 64 + 32));
     const __m256i lo01 = _mm256_and_si256(v01, m4), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), m4);
