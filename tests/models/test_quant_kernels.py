@@ -157,10 +157,28 @@ def test_int8_gemv_is_exact_on_rounded_x(built, qtype, t):
         check(out, rounded_x(x), w)
 
 
+@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0], ids=lambda q: q.name)
+def test_int8_gemv_of_short_rows(built, qtype):
+    """Rows of 3 blocks (the VNNI nibble pass's scales are interleaved 4 blocks at a time,
+    gemv.h) and 5 row groups (one unit of 4 and one alone): exact, and each row the same
+    bits alone as in the batch."""
+    n, k = 20, 96
+    raw, w = weights(qtype, n, k)
+    qt, parts = pack(raw, qtype).kernel_args
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(9)) * 3
+    out = torch.empty(9, n)
+    built.quant_matmul(x, qt, parts, n, k, out, 0, 0, INT8)
+    check(out, rounded_x(x), w)
+    for i in range(9):
+        row = torch.empty(1, n)
+        built.quant_matmul(x[i : i + 1], qt, parts, n, k, row, 0, 0, INT8)
+        assert torch.equal(row[0], out[i]), i
+
+
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
 def test_int8_gemv_of_long_rows(built, qtype):
-    """Rows of 32 blocks and more add the Q4 offsets after the pass, not inside it
-    (gemv_i8.h): both ways are exact."""
+    """Rows of 32 blocks and more: exact (the VNNI pass adds the Q4 offsets inside it, the
+    AVX2 pass after it; gemv_i8.h)."""
     n, k = 64, 1536
     raw, w = weights(qtype, n, k)
     packed = pack(raw, qtype)
@@ -298,8 +316,7 @@ def test_bad_shapes_are_errors(kernels):
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda q: q.name)
 def test_int8_rows_are_the_same_bits_at_any_row_count(built, qtype):
     """Batch invariance (quant/__init__.py): a row's product does not depend on how many
-    rows share the call, across passes of 1-8 rows (AVX512-VNNI sums four rows of x in
-    vectors and the rest alone) and chunks of 64."""
+    rows share the call, across passes of 1-8 rows and chunks of 64."""
     n, k = SHAPE
     raw, _ = weights(qtype, n, k)
     qt, parts = pack(raw, qtype).kernel_args

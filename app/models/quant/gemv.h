@@ -103,40 +103,129 @@ struct Segment {
 };
 
 // The GEMV's frame, whatever the activations: threads split the segments' row groups
-// (one flat range, so small experts do not each pay a thread team); per group its
-// scales, then the segment's rows of x max_t (<= kMaxT) at a time: pass(g, t0, tt, scale,
-// off, res) fills res[r * tt + t] for the group's kG rows without offset terms (unless
-// offsets_in_pass), which come from sxe ((T, kb * kG), per-block sums of x as add_offsets
-// reads them); then the rows go to out ((T, N), rows ldo apart). No segments: one
-// segment of all T rows and all groups.
+// (one flat range, so small experts do not each pay a thread team), `unit` consecutive
+// groups of a segment at a time; per unit its scales, then the segment's rows of x max_t
+// (<= kMaxT) at a time: pass(g, ng, t0, tt, scale, off, res) fills res[r * tt + t] (one
+// group a unit) or res[t * unit * kG + r] (more) for the ng groups' ng * kG rows (r
+// counted from group g's first) without offset terms
+// (unless offsets_in_pass), which come from sxe ((T, kb * kG), per-block sums of x as
+// add_offsets reads them); then the rows go to out ((T, N), rows ldo apart). One group a
+// unit: scale and off are F::scales'. More (the VNNI nibble pass, gemv_i8.h): they are
+// interleaved per block, [b][r][j] for row r of the unit's group j (zeros past ng), the
+// order of that pass's lanes. No segments: one segment of all T rows and all groups.
+constexpr int kMaxUnit = 4;  // row groups a pass may take at once
+
+// Four groups' per-block values, [j][b][r] (F::scales' order, one group after another),
+// to [b][r][j]: lane 4r + j of the VNNI nibble pass (gemv_i8.h) is row r of group j.
+inline void interleave_groups(const float* in, int64_t blocks, float* out) {
+  int64_t b = 0;
+#if !defined(SHOAL_QUANT_PORTABLE) && defined(__AVX512F__)
+  // Four blocks at a time, in two rounds of two-source permutes (one shuffle-port op
+  // each, half the unpack-and-shuffle transpose's count): first pairs of groups per pair
+  // of blocks, [q][r][j of the pair], then the two pairs' halves per block.
+  auto index = [](auto lane) {
+    alignas(64) int32_t v[16];
+    for (int l = 0; l < 16; ++l) v[l] = lane(l);
+    return _mm512_load_si512(v);
+  };
+  // pair (j0, j0 + 1), blocks 2h, 2h + 1: lane 8q + 2r + j from z_j's lane 4(2h + q) + r
+  const __m512i pair_lo = index([](int l) { return (l & 1) * 16 + 4 * (l >> 3) + ((l >> 1) & 3); });
+  const __m512i pair_hi = index([](int l) { return (l & 1) * 16 + 4 * (2 + (l >> 3)) + ((l >> 1) & 3); });
+  // block q of a pair of blocks: lane 4r + j from pair (j >> 1)'s lane 8q + 2r + (j & 1)
+  const __m512i block0 = index([](int l) { return (l & 3) / 2 * 16 + 2 * (l >> 2) + (l & 1); });
+  const __m512i block1 = index([](int l) { return (l & 3) / 2 * 16 + 8 + 2 * (l >> 2) + (l & 1); });
+  for (; b + 4 <= blocks; b += 4) {
+    const float* p = in + b * kG;
+    const __m512 z0 = _mm512_loadu_ps(p), z1 = _mm512_loadu_ps(p + blocks * kG);
+    const __m512 z2 = _mm512_loadu_ps(p + 2 * blocks * kG), z3 = _mm512_loadu_ps(p + 3 * blocks * kG);
+    const __m512 p01_lo = _mm512_permutex2var_ps(z0, pair_lo, z1), p01_hi = _mm512_permutex2var_ps(z0, pair_hi, z1);
+    const __m512 p23_lo = _mm512_permutex2var_ps(z2, pair_lo, z3), p23_hi = _mm512_permutex2var_ps(z2, pair_hi, z3);
+    _mm512_storeu_ps(out + (b + 0) * 16, _mm512_permutex2var_ps(p01_lo, block0, p23_lo));
+    _mm512_storeu_ps(out + (b + 1) * 16, _mm512_permutex2var_ps(p01_lo, block1, p23_lo));
+    _mm512_storeu_ps(out + (b + 2) * 16, _mm512_permutex2var_ps(p01_hi, block0, p23_hi));
+    _mm512_storeu_ps(out + (b + 3) * 16, _mm512_permutex2var_ps(p01_hi, block1, p23_hi));
+  }
+#endif
+  for (; b < blocks; ++b)
+    for (int r = 0; r < kG; ++r)
+      for (int j = 0; j < 4; ++j) out[b * 16 + 4 * r + j] = in[(j * blocks + b) * kG + r];
+}
+
 template <class F, class O, class Pass>
 void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sxe, O* out, int64_t ldo,
                     const Pass& pass, int max_t = kMaxT, bool offsets_in_pass = false,
-                    std::vector<Segment> segments = {}) {
-  const int64_t kb = K / 32;
+                    std::vector<Segment> segments = {}, int unit = 1) {
+  const int64_t kb = K / 32, per_group = kb * F::kSubs * kG;
   if (segments.empty()) segments.push_back({0, T, 0, (N + kG - 1) / kG});
   std::vector<int64_t> first(segments.size() + 1, 0);  // each segment's first flat index
-  for (size_t s = 0; s < segments.size(); ++s) first[s + 1] = first[s] + segments[s].g1 - segments[s].g0;
+  for (size_t s = 0; s < segments.size(); ++s)
+    first[s + 1] = first[s] + (segments[s].g1 - segments[s].g0 + unit - 1) / unit;
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG));
-  at::parallel_for(0, first.back(), grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scale(kb * F::kSubs * kG), off(F::kOffset ? kb * kG : 0);
-    float res[kG * kMaxT];
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG * unit));
+  const int64_t units = first.back();
+  const int64_t parts = std::clamp<int64_t>(units / grain, 1, at::get_num_threads());
+  // The threads' ranges of units are of about equal cost, not count: a unit costs its
+  // segment's rows of x plus kUnitCost for its scales and weight bytes, and experts get
+  // 1-10 rows each in a decode of 32 (an even split left one thread waiting ~15 % of the
+  // step).
+  constexpr int64_t kUnitCost = 2;
+  std::vector<int64_t> bounds(parts + 1, units);
+  {
+    int64_t total = 0;
+    for (size_t s = 0; s < segments.size(); ++s)
+      total += (first[s + 1] - first[s]) * (segments[s].t1 - segments[s].t0 + kUnitCost);
+    bounds[0] = 0;
+    int64_t p = 1, cost = 0;
+    for (size_t s = 0; s < segments.size() && p < parts; ++s) {
+      const int64_t each = segments[s].t1 - segments[s].t0 + kUnitCost;
+      for (int64_t i = first[s]; i < first[s + 1] && p < parts; ++i) {
+        cost += each;
+        while (p < parts && cost * parts >= total * p) bounds[p++] = i + 1;
+      }
+    }
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t part0, int64_t part1) {
+    const int64_t begin = bounds[part0], end = bounds[part1];
+    if (begin >= end) return;
+    std::vector<float> scale(per_group * unit), off(F::kOffset ? kb * kG * unit : 0);
+    std::vector<float> by_group(unit > 1 ? scale.size() + off.size() : 0);  // [scale | off][j][b][r]
+    float res[kMaxUnit * kG * kMaxT];
     size_t s = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t i = begin; i < end; ++i) {
       while (i >= first[s + 1]) ++s;
       const Segment& seg = segments[s];
-      const int64_t g = seg.g0 + (i - first[s]), col = (g - seg.g0) * kG;
-      const int rows = int(std::min<int64_t>(kG, N - g * kG));  // the last group may be padded
-      f.scales(g, scale.data(), off.data());
-      // Past max_t rows of x, each pass over the group reads it from L1, not memory.
+      const int64_t g = seg.g0 + (i - first[s]) * unit;
+      const int ng = int(std::min<int64_t>(unit, seg.g1 - g));
+      if (unit == 1) {
+        f.scales(g, scale.data(), off.data());
+      } else {
+        float* group_off = by_group.data() + scale.size();
+        for (int j = 0; j < unit; ++j) {
+          if (j < ng) {
+            f.scales(g + j, by_group.data() + j * per_group, group_off + j * per_group);
+          } else {
+            std::fill_n(by_group.data() + j * per_group, per_group, 0.f);
+            std::fill_n(group_off + j * per_group, F::kOffset ? per_group : 0, 0.f);
+          }
+        }
+        interleave_groups(by_group.data(), per_group / kG, scale.data());
+        if constexpr (F::kOffset) interleave_groups(group_off, per_group / kG, off.data());
+      }
+      // Past max_t rows of x, each pass over the unit reads it from L1, not memory.
       for (int64_t t0 = seg.t0; t0 < seg.t1; t0 += max_t) {
         const int tt = int(std::min<int64_t>(max_t, seg.t1 - t0));
-        pass(g, t0, tt, scale.data(), off.data(), res);
+        pass(g, ng, t0, tt, scale.data(), off.data(), res);
         if constexpr (F::kOffset)
           if (!offsets_in_pass) add_offsets(off.data(), sxe + t0 * kb * kG, kb * kG, tt, res);
-        for (int r = 0; r < rows; ++r)
-          for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + col + r] = static_cast<O>(res[r * tt + t]);
+        const int64_t col = (g - seg.g0) * kG;
+        const int rows = int(std::min<int64_t>(ng * kG, N - g * kG));  // the last group may be padded
+        if (unit == 1) {
+          for (int r = 0; r < rows; ++r)
+            for (int t = 0; t < tt; ++t) out[(t0 + t) * ldo + col + r] = static_cast<O>(res[r * tt + t]);
+        } else {
+          for (int t = 0; t < tt; ++t)
+            for (int r = 0; r < rows; ++r) out[(t0 + t) * ldo + col + r] = static_cast<O>(res[t * unit * kG + r]);
+        }
       }
     }
   });
@@ -154,7 +243,7 @@ void gemv(const F& f, int64_t N, int64_t K, const float* x, int64_t T, O* out, i
     const float sum = vsum(s);
     for (int r = 0; r < kG; ++r) sxe[i * kG + r] = sum;
   }
-  for_each_group(f, N, K, T, sxe.data(), out, ldo, [&](int64_t g, int64_t t0, int tt, const float* scale, const float*, float* res) {
+  for_each_group(f, N, K, T, sxe.data(), out, ldo, [&](int64_t g, int, int64_t t0, int tt, const float* scale, const float*, float* res) {
     for (int r0 = 0; r0 < kG; r0 += group_rows(tt))  // padded rows are zeros: safe to read
       kRowsFn<F>[tt - 1](f, g, r0, kb, x + t0 * K, K, scale, res + r0 * tt);
   }, kMaxT, false, segments);
