@@ -157,7 +157,9 @@ def test_int8_gemv_is_exact_on_rounded_x(built, qtype, t):
         check(out, rounded_x(x), w)
 
 
-@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0], ids=lambda q: q.name
+)
 def test_int8_gemv_of_short_rows(built, qtype):
     """Rows of 3 blocks (the VNNI nibble pass's scales are interleaved 4 blocks at a time,
     gemv.h) and 5 row groups (one unit of 4 and one alone): exact, and each row the same
