@@ -13,7 +13,7 @@ products than float32 x. The rounding turns any summation-order difference befor
 into a visible one, so a quantized model's forward is batch-invariant: the int8 GEMV
 takes any number of rows with the same per-row arithmetic, and attention takes every
 query token alone (TorchPagedAttention.token_by_token), and silu(gate) * up walks each
-row alone (cpu_kernels/silu_mul.h; AVX-512 builds still use torch's silu there). A token's
+row alone (cpu_kernels/silu_mul.h). A token's
 logits are then the same
 bits in a prompt, a prefill chunk after a cached prefix or a decode. Not for Q5_K and Q6_K
 layers (no integer kernel: the float GEMV's passes, and the tiles, depend on the row count).
