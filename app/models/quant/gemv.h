@@ -163,11 +163,11 @@ void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sx
   // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG * unit));
   const int64_t units = first.back();
-  const int64_t parts = std::clamp<int64_t>(units / grain, 1, at::get_num_threads());
+  const int64_t parts = std::clamp<int64_t>((units + grain - 1) / grain, 1, at::get_num_threads());
   // The threads' ranges of units are of about equal cost, not count: a unit costs its
-  // segment's rows of x plus kUnitCost for its scales and weight bytes, and experts get
-  // 1-10 rows each in a decode of 32 (an even split left one thread waiting ~15 % of the
-  // step).
+  // segment's rows of x plus kUnitCost for its scales and weight bytes. Experts get 1-10
+  // rows each in a decode of 32, so ranges of equal count left one thread waiting on the
+  // other (with the even split, libgomp's spin was ~14 % of such a step's samples).
   constexpr int64_t kUnitCost = 2;
   std::vector<int64_t> bounds(parts + 1, units);
   {
