@@ -161,10 +161,14 @@ def test_int8_gemv_is_exact_on_rounded_x(built, qtype, t):
     "qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0], ids=lambda q: q.name
 )
 def test_int8_gemv_of_short_rows(built, qtype):
-    """Rows of 3 blocks (the VNNI nibble pass's scales are interleaved 4 blocks at a time,
-    gemv.h) and 5 row groups (one unit of 4 and one alone): exact, and each row the same
-    bits alone as in the batch."""
-    n, k = 20, 96
+    """Rows of 3 and 5 blocks (the VNNI nibble pass's scales are interleaved 4 blocks at a
+    time, gemv.h, then one by one) and 11 row groups (units of 4, 4 and 3): exact, and
+    each row the same bits alone as in the batch."""
+    for n, k in ((44, 96), (44, 160)):
+        _short_rows(built, qtype, n, k)
+
+
+def _short_rows(built, qtype: QuantType, n: int, k: int) -> None:
     raw, w = weights(qtype, n, k)
     qt, parts = pack(raw, qtype).kernel_args
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(9)) * 3

@@ -155,12 +155,14 @@ template <class F, class O, class Pass>
 void for_each_group(const F& f, int64_t N, int64_t K, int64_t T, const float* sxe, O* out, int64_t ldo,
                     const Pass& pass, int max_t = kMaxT, bool offsets_in_pass = false,
                     std::vector<Segment> segments = {}, int unit = 1) {
+  TORCH_CHECK(unit == 1 || unit == kMaxUnit, "a unit is one row group or ", kMaxUnit);
   const int64_t kb = K / 32, per_group = kb * F::kSubs * kG;
   if (segments.empty()) segments.push_back({0, T, 0, (N + kG - 1) / kG});
   std::vector<int64_t> first(segments.size() + 1, 0);  // each segment's first flat index
   for (size_t s = 0; s < segments.size(); ++s)
     first[s + 1] = first[s] + (segments[s].g1 - segments[s].g0 + unit - 1) / unit;
-  // Chunks of at least 64k weights: smaller ones cost more in wake-ups than they save.
+  // As many ranges as give each about 64k weights or more, up to the threads: smaller
+  // ones cost more in wake-ups than they save.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * kG * unit));
   const int64_t units = first.back();
   const int64_t parts = std::clamp<int64_t>((units + grain - 1) / grain, 1, at::get_num_threads());

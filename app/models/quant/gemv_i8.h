@@ -28,8 +28,8 @@ namespace shoal_quant {
 
 // Rows of x per pass over a group: past four, the accumulators of four rows crowd the 16
 // AVX2 registers, and a second pass re-reads the group from L1 for about the same cost.
-// AVX-512 has 32 registers: its passes keep one accumulator (nibbles) or two (bytes) per
-// row of x.
+// AVX-512 has 32 registers: its passes keep two or three (nibble_unit: a float sum and
+// one or two int32 chains) or two (bytes) per row of x.
 #ifdef SHOAL_QUANT_VNNI
 constexpr int kIntMaxT = 8;
 #else
@@ -49,7 +49,8 @@ using IntPassFn = void (*)(const void* q, int64_t kb, const QuantizedX& x, int64
 // then the next group's, which its thread takes next): the hardware prefetchers alone
 // left a decode step's expert products at 14 GB/s of this machine's 25 (a 64-expert
 // model's 570 MB, out of cache), 2-4 KB ahead brought them to 19-21, 1.3-1.4x faster
-// (2 threads, AVX-512 VNNI; 8 and 256 rows of x alike).
+// (2 threads, AVX-512 VNNI; 8 and 256 rows of x alike; measured on the one-group nibble
+// pass that nibble_unit replaced there, which prefetches its four streams itself).
 constexpr int64_t kPrefetchBytes = 2048;
 
 inline void prefetch_ahead(const void* p, int lines = 1) {
@@ -67,7 +68,8 @@ inline void prefetch_ahead(const void* p, int lines = 1) {
 // those ops, not the dpbusd, set the pace of a product of many rows of x (one 512-bit FMA
 // port on this machine's Xeon). Measured against it, in one process (Q4_K, 2 threads):
 // a prefill's experts (256 rows each) 1.6x, 32 rows of a 32000-row head 1.7x, a decode of
-// 32 over 64 experts (1-10 rows each) 1.2x; one row of x about the same (+-5 %). Lane
+// 32 over 64 experts (1-10 rows each) 1.2x; one row of x the same on a dense head, 6 %
+// slower over experts of one row each (their scales now cost more than the pass). Lane
 // 4r + j is row r of group j (for_each_group interleaves scale and off so); groups past ng
 // read as zeros. The Q4 offsets join in the pass: one FMA per block for 16 rows.
 template <int TT, bool kOff>
@@ -85,8 +87,9 @@ void nibble_unit(const uint8_t* q, int64_t group_bytes, int ng, int64_t kb, cons
     __m512i v[4];
     for (int j = 0; j < 4; ++j) {
       if (j < ng) {
-        // each group's stream asks for the next unit's (prefetch_ahead's 2 KB would land
-        // on the next group of this unit, read already)
+        // each group's stream asks for the next unit's: with rows of up to 1024 weights
+        // (2 KB a group), prefetch_ahead's 2 KB would land on this unit's next group,
+        // already being read
         _mm_prefetch(reinterpret_cast<const char*>(q + (j + 4) * group_bytes + b * 64), _MM_HINT_T0);
         v[j] = _mm512_loadu_si512(q + j * group_bytes + b * 64);
       } else {
