@@ -67,7 +67,9 @@ class AsyncEngine:
         rid = request.request_id
         queue = self._streams.open(rid)
         try:
-            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.context)
+            self.engine.add_request(
+                rid, request.prompt_token_ids, request.params, request.context, request.images
+            )
         except BaseException:
             self._streams.close(rid, queue)
             raise

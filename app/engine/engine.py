@@ -19,6 +19,8 @@ from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.contexts import ContextStore
 from app.engine.grammar import GrammarBackend, StepMasks
+from app.engine.images import attach as attach_images
+from app.engine.images import encode_due, release_computed
 from app.engine.kv_tier import open_tier
 from app.engine.model_runner import load_runner
 from app.engine.requests import RequestTable, delta
@@ -30,6 +32,7 @@ from app.engine.validation import check_params, checked_token_ids
 from app.models.loader import LoadedModel
 from app.models.parallel import TPGroup
 from app.protocol.errors import InvalidRequestError
+from app.protocol.images import ImageInput
 from app.protocol.messages import ContextAction, ContextOp
 from app.protocol.outputs import FinishReason, RequestOutput, SlotInfo, TokenDelta
 from app.protocol.sampling import SamplingParams
@@ -88,14 +91,19 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         params: SamplingParams,
         context: ContextOp | None = None,
+        images: Seq[ImageInput] = (),
     ) -> None:
         """Queue a request; raises InvalidRequestError (or ContextLengthExceededError)
         when it can never be served. With `context`, a Fill or Generate on that
         persistent context (see app.engine.contexts): `prompt_token_ids` are the tokens
-        it adds, and a Fill computes their KV and samples nothing the client keeps."""
+        it adds, and a Fill computes their KV and samples nothing the client keeps.
+        `images` stand in spans of the prompt (app.engine.images)."""
         vocab = self.arch.vocab_size
         param = "prompt" if context is None else "token_ids"
         tokens = checked_token_ids(prompt_token_ids, vocab, param)
+        if images and context is not None:
+            raise InvalidRequestError("images cannot be added to a context", "messages")
+        seq_images = attach_images(tokens, images, self.loaded.vision, vocab)
         if context is not None and not context.action.generates:
             raise InvalidRequestError(f"a request cannot {context.action} a context")
         if context is not None and context.action is ContextAction.FILL:
@@ -107,6 +115,7 @@ class LLMEngine:
             if context is None:
                 seq = Sequence(request_id, tokens, params, 0, time.monotonic())
                 seq.matcher = matcher
+                seq.images = seq_images
                 self.scheduler.add(seq)
             else:
                 seq = self.contexts.start(request_id, context, tokens, params)
@@ -201,6 +210,8 @@ class LLMEngine:
             # The inputs are read from the sequences in the same hold of the lock: an abort
             # in between would free a sequence's blocks while its cache slots are computed.
             try:
+                if self.loaded.vision is not None:
+                    encode_due(self.loaded.vision, batch.seqs, batch.num_new_tokens)
                 step, sampled = self.runner.prepare(batch)
             except Exception as exc:
                 return deltas + self._fail_batch(batch, exc)
@@ -216,6 +227,7 @@ class LLMEngine:
             return deltas + self._fail_batch(batch, exc)
         with self.lock:
             self.scheduler.on_computed(batch)
+            release_computed(batch.seqs)
             num_sampled = self._postprocess(logits, sampled, deltas, masks)
             deltas += self.requests.take_ended()  # those of requests that failed here
             self.requests.forget_finished(deltas)

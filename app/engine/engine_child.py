@@ -93,7 +93,11 @@ class EngineChild:
             request: EngineRequest = message[1]
             try:
                 self.engine.add_request(
-                    request.request_id, request.prompt_token_ids, request.params, request.context
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    request.context,
+                    request.images,
                 )
             except Exception as exc:
                 self.send(("error", request.request_id, *error_parts(exc)))

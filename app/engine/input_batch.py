@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from app.engine.images import step_rows
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import BatchLayout
@@ -34,6 +35,7 @@ class StepInputs:
     layout: BatchLayout
     logits_rows: torch.Tensor  # (S',) int64: rows of the batch whose next token is sampled
     copies: list[tuple[int, int]]  # (src, dst) blocks to copy first (copy-on-write)
+    images: tuple[torch.Tensor, torch.Tensor] | None = None  # rows fed encoder rows, those
 
     @property
     def is_all_decode(self) -> bool:
@@ -80,6 +82,7 @@ class InputBatch:
         due = [i for i, seq in enumerate(seqs) if lens[i] == seq.num_tokens]
         layout = (counts, lens, len(decodes))
         inputs = self._inputs(batch, input_ids, rows, token_rows, positions, layout, ends[due] - 1)
+        inputs.images = step_rows(seqs, starts, counts)
         return inputs, [seqs[i] for i in due]
 
     def _decode_step(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
@@ -98,6 +101,8 @@ class InputBatch:
         sampled = seqs if len(due) == len(seqs) else [seqs[i] for i in due]
         layout = ([1] * len(seqs), lens, len(seqs))
         inputs = self._inputs(batch, input_ids, rows, row_arr, pos_arr, layout, logits_rows)
+        if any(seq.images for seq in seqs):  # a prompt's last token can be its image's
+            inputs.images = step_rows(seqs, positions, [1] * len(seqs))
         return inputs, sampled
 
     def _inputs(

@@ -211,14 +211,18 @@ class ModelRunner:
         self._bind_caches()
         if step.copies:
             self._copy_blocks(step.copies)
-        if self.decode_graphs is not None and self.decode_graphs.fits(step):
+        if self.decode_graphs is not None and step.images is None and self.decode_graphs.fits(step):
             return self.decode_graphs.run(step)
         metadata = self.backend.build_metadata(step.layout, self.num_kv_heads, self.device)
+        images = None
+        if step.images is not None:
+            images = (self._to_device(step.images[0]), step.images[1].to(self.device))
         return self.model(
             self._to_device(step.input_ids),
             self._to_device(step.positions),
             metadata,
             self._to_device(step.logits_rows),
+            images,
         )
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.engine.block_manager import BlockManager, CopyOnWrite
+from app.engine.images import chunk_end
 from app.engine.sequence import Sequence, SequenceStatus
 from app.protocol.errors import ContextLengthExceededError, InvalidRequestError
 from app.protocol.outputs import FinishReason, SlotInfo
@@ -139,11 +140,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         for seq in list(self.running):
-            if budget == 0:
+            if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             if not self._make_room(seq, n, batch):
                 preempted = True
                 continue
@@ -154,6 +155,13 @@ class Scheduler:
         if batch.seqs:  # an empty batch reaches no runner: departures wait for one
             batch.left, self._left = self._left, []
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens `seq` computes in this step: the rest of its prompt, or a chunk of
+        it that does not cut an image's span (app.engine.images.chunk_end)."""
+        start = seq.num_computed_tokens
+        end = start + min(seq.num_tokens - start, budget)
+        return chunk_end(seq.images, start, end) - start if seq.images else end - start
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest unscheduled running sequences until `seq` fits; False if
@@ -195,7 +203,7 @@ class Scheduler:
                     if short > 0:
                         self.reclaim(short, seq)
                 bm.allocate_cached_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             if not bm.can_append(seq, n):
                 self.reclaim(bm.blocks_to_append(seq, n), seq)
             if not bm.can_append(seq, n):

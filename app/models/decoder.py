@@ -149,6 +149,7 @@ class DecoderModel(nn.Module):
         self.tp = tp
         self.rotary, self.rotary_local = rotary_tables(arch, max_positions)
         self.vocab_start, vocab_local = vocab_range(arch.vocab_size, tp)
+        self.arch_vocab = arch.vocab_size
         self.embed_tokens = nn.Embedding(vocab_local, arch.hidden_size)
         self.embed_scale = arch.embed_scale
         local = shard_arch(arch, tp)
@@ -174,9 +175,19 @@ class DecoderModel(nn.Module):
         return h
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        h = self.embed(input_ids)  # (T, hidden)
+        """`images`: rows of the batch that read an image encoder's rows, and those rows;
+        their ids are past the vocabulary (app.engine.images)."""
+        if images is None:
+            h = self.embed(input_ids)  # (T, hidden)
+        else:
+            h = self.embed(input_ids.masked_fill(input_ids >= self.arch_vocab, 0))
+            h[images[0]] = images[1].to(h.dtype)  # unscaled: Gemma scales only text
         rope = self.rotary.tables(positions)
         local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
         decodes = self.backend.decode_inputs(attn_metadata) if self.fused_decode else None
@@ -227,8 +238,9 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         attn_metadata: Any,
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        h = self.model(input_ids, positions, attn_metadata)
+        h = self.model(input_ids, positions, attn_metadata, images)
         logits = self.tp.gather_last_dim(self.lm_head(h[logits_indices]))
         if logits is None:  # not rank 0: sampling happens there
             return torch.empty(0)

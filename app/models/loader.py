@@ -24,6 +24,7 @@ from app.models.quantized_model import (
 )
 from app.models.source import ModelSource
 from app.models.torch_attention import TorchPagedAttention
+from app.models.vision.loading import load_vision
 from app.models.weight_loading import expected_pieces, load_weights
 from app.models.weights import iter_weights, patch_gguf_config, reading_gguf_once
 from app.protocol.errors import ModelLoadError
@@ -38,6 +39,7 @@ class LoadedModel:
     source: ModelSource
     max_model_len: int
     dtype: torch.dtype  # what it computes in: `dtype`, or `quantized_dtype` (load_model)
+    vision: torch.nn.Module | None = None  # the image encoder, rank 0 only (vision/)
 
 
 def load_hf_config(source: ModelSource) -> Any:
@@ -121,9 +123,8 @@ def load_model(
         quantized_bytes(model) / 1e6,
         device,
     )
-    return LoadedModel(
-        model=model, arch=arch, source=source, max_model_len=max_positions, dtype=dtype
-    )
+    vision = load_vision(source, load_hf_config(source), dtype, device) if tp.rank == 0 else None
+    return LoadedModel(model, arch, source, max_positions, dtype, vision)
 
 
 def random_model(

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from app.protocol.errors import InvalidRequestError
+from app.protocol.images import ImageInput
 from app.protocol.outputs import EngineErrorMessage
 from app.protocol.sampling import SamplingParams
 
@@ -120,6 +121,7 @@ class EngineRequest:
     prompt_token_ids: list[int]  # with `context`: the tokens to add to it
     params: SamplingParams
     context: ContextOp | None = None
+    images: tuple[ImageInput, ...] = ()  # in the prompt's spans (processed pixels)
 
 
 def context_op(args: tuple) -> ContextOp | None:

@@ -1,0 +1,20 @@
+"""An image of a prompt, as the engine takes it: already through the model's image
+processor (on the tokenizer's side, which also expanded its placeholder tokens)."""
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """`pixels`: the processor's arrays by name (pixel_values, and for some models a
+    pixel_attention_mask), the encoder's input. The image stands in the prompt tokens
+    [offset, offset + length): its placeholder tokens, which take the encoder's rows in
+    order, and what the processor put between them (Idefics3's tile tags). The prefix
+    cache tells images apart by `content_hash` (of the image's bytes), since their
+    placeholder tokens are all alike."""
+
+    content_hash: int
+    offset: int
+    length: int
+    pixels: dict[str, Any]

@@ -1,0 +1,222 @@
+"""Idefics3 (SmolVLM) images through the engine against transformers in float32: a tiny
+random checkpoint of the real layout, images made by transformers' own image processor
+(tiles and a global view), greedy output token for token; then the prefix cache, chunked
+prefill and refusals."""
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.protocol import SamplingParams
+from app.protocol.errors import InvalidRequestError
+from app.protocol.images import ImageInput
+from tests.helpers import tiny_engine
+
+pytest.importorskip("PIL")
+
+VOCAB, IMAGE, FAKE, GLOBAL = 300, 290, 291, 292
+TILE = 64  # the encoder's image_size: 8x8 patches of 8, 16 rows a tile after the shuffle
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    config = Idefics3Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=TILE,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+        ),
+        scale_factor=2,
+        image_token_id=IMAGE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("idefics3")
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # a projector that moves the output: images must matter
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+def processed(seed: int, size: tuple[int, int]) -> dict:
+    """A random picture through Idefics3's image processor: tiles of TILE pixels and the
+    whole picture, with the tile grid."""
+    from PIL import Image
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
+    processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * TILE},
+        max_image_size={"longest_edge": TILE},
+        do_image_splitting=True,
+    )
+    out = processor(images=[Image.fromarray(pixels)], return_row_col_info=True, return_tensors="pt")
+    return dict(out)
+
+
+def image_tokens(image: dict) -> list[int]:
+    """The processor's layout of an image in the prompt: each tile tagged, then the
+    global view, between fake tokens (tags here are plain ids of the tiny vocabulary)."""
+    rows, cols = image["rows"][0][0], image["cols"][0][0]
+    tokens = []
+    for r in range(rows):
+        for c in range(cols):
+            tokens += [FAKE, 200 + r * 6 + c] + [IMAGE] * 16
+    return tokens + [FAKE, GLOBAL] + [IMAGE] * 16 + [FAKE]
+
+
+def build(parts: list) -> tuple[list[int], list[ImageInput], list[dict]]:
+    """A prompt of text (lists of ids) and images (processed dicts), in order."""
+    tokens: list[int] = []
+    inputs, images = [], []
+    for part in parts:
+        if isinstance(part, list):
+            tokens += part
+            continue
+        span = image_tokens(part)
+        pixels = {k: part[k] for k in ("pixel_values", "pixel_attention_mask")}
+        key = int.from_bytes(hashlib.sha256(part["pixel_values"].numpy().tobytes()).digest()[:8])
+        inputs.append(ImageInput(key, len(tokens), len(span), pixels))
+        images.append(part)
+        tokens += span
+    return tokens, inputs, images
+
+
+def transformers_greedy(directory: Path, tokens: list[int], images: list[dict]) -> list[int]:
+    from transformers import Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([tokens])
+    extra = {}
+    if images:
+        extra["pixel_values"] = torch.cat([i["pixel_values"] for i in images], dim=1)
+        extra["pixel_attention_mask"] = torch.cat(
+            [i["pixel_attention_mask"] for i in images], dim=1
+        )
+    with torch.inference_mode():
+        out = model.eval().generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            **extra,
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+def ours(engine, tokens: list[int], images: list[ImageInput], rid: str = "r") -> list[int]:
+    engine.add_request(rid, tokens, GREEDY, images=images)
+    out: list[int] = []
+    while engine.has_work:
+        for delta in engine.step():
+            out += delta.token_ids
+    return out
+
+
+def test_one_and_two_images_between_text_match_transformers(checkpoint):
+    engine = tiny_engine(checkpoint, num_kv_blocks=256)
+    wide, small = processed(1, (80, 100)), processed(2, (40, 30))  # 4 tiles + global; 1 + 1
+    prompts = [
+        [[1, 5, 9], wide, [17, 3]],
+        [[4], small, [8, 8, 2], wide, [6]],
+        [wide, small],  # image first, images back to back
+    ]
+    for parts in prompts:
+        tokens, inputs, images = build(parts)
+        expected = transformers_greedy(checkpoint, tokens, images)
+        assert ours(engine, tokens, inputs) == expected
+
+
+def test_the_image_decides_the_output(checkpoint):
+    engine = tiny_engine(checkpoint, num_kv_blocks=256)
+    a = build([[1, 5], processed(3, (64, 64)), [9]])
+    b = build([[1, 5], processed(4, (64, 64)), [9]])
+    assert a[0] == b[0]  # the same token ids...
+    assert ours(engine, a[0], a[1], "a") != ours(engine, b[0], b[1], "b")  # ...not the same
+
+
+def test_a_repeated_image_is_served_from_the_prefix_cache(checkpoint):
+    engine = tiny_engine(checkpoint, num_kv_blocks=256)
+    calls = []
+    vision = engine.loaded.vision
+    engine.loaded.vision = lambda images: calls.append(len(images)) or vision(images)
+    engine.loaded.vision.image_token_id, engine.loaded.vision.rows = IMAGE, vision.rows
+    picture, other = processed(5, (80, 100)), processed(6, (80, 100))
+    first = build([[1, 5, 9], picture, [17, 3]])
+    ours(engine, *first[:2])
+    assert calls == [1]
+    second = build([[1, 5, 9], picture, [17, 3, 44, 45]])  # a longer turn, same image
+    engine.add_request("again", second[0], GREEDY, images=second[1])
+    engine.step()
+    seq = next(iter(engine.scheduler.running))
+    assert seq.num_cached_tokens >= len(first[0]) - 4  # all but a partial block
+    assert calls == [1]  # not encoded again
+    while engine.has_work:
+        engine.step()
+    third = build([[1, 5, 9], other, [17, 3]])  # same ids, another image: no hit past it
+    engine.add_request("other", third[0], GREEDY, images=third[1])
+    engine.step()
+    seq = next(iter(engine.scheduler.running))
+    assert seq.num_cached_tokens <= 4  # the block of 1, 5, 9 and a fake token only
+    assert calls == [1, 1]
+
+
+def test_chunked_prefill_never_splits_an_image(checkpoint):
+    engine = tiny_engine(checkpoint, num_kv_blocks=256, max_num_batched_tokens=24)
+    tokens, inputs, images = build([[1, 5, 9], processed(7, (80, 100)), [17, 3]])
+    spans = [(i.offset, i.offset + i.length) for i in inputs]
+    ends = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        ends.extend(
+            s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
+        return batch
+
+    engine.scheduler.schedule = recording
+    assert ours(engine, tokens, inputs) == transformers_greedy(checkpoint, tokens, images)
+    assert not [e for e in ends for s0, s1 in spans if s0 < e < s1]
+
+
+def test_images_are_refused_where_they_cannot_be_read(checkpoint, tmp_path):
+    from tests.models.family_checkpoints import save_family_checkpoint
+
+    engine = tiny_engine(checkpoint, num_kv_blocks=256)
+    tokens, inputs, _ = build([[1], processed(8, (64, 64)), [2]])
+    short = [ImageInput(inputs[0].content_hash, 1, 10, inputs[0].pixels)]
+    with pytest.raises(InvalidRequestError, match="placeholder"):
+        engine.add_request("short", tokens, GREEDY, images=short)
+    outside = [ImageInput(inputs[0].content_hash, 1, 500, inputs[0].pixels)]
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.add_request("outside", tokens, GREEDY, images=outside)
+    text = tiny_engine(save_family_checkpoint(tmp_path, "qwen3"))
+    with pytest.raises(InvalidRequestError, match="does not read images"):
+        text.add_request("text", [1, 2, 3], GREEDY, images=inputs)
