@@ -14,67 +14,27 @@ from app.protocol import SamplingParams
 from app.protocol.errors import InvalidRequestError
 from app.protocol.images import ImageInput
 from tests.helpers import tiny_engine
+from tests.models.vision_checkpoints import image_processor, save_idefics3_checkpoint
 
 pytest.importorskip("PIL")
 
 VOCAB, IMAGE, FAKE, GLOBAL = 300, 290, 291, 292
-TILE = 64  # the encoder's image_size: 8x8 patches of 8, 16 rows a tile after the shuffle
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
-
-    config = Idefics3Config(
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=TILE,
-            patch_size=8,
-        ),
-        text_config=dict(
-            model_type="llama",
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            initializer_range=0.2,
-        ),
-        scale_factor=2,
-        image_token_id=IMAGE,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("idefics3")
-    model = Idefics3ForConditionalGeneration(config)
-    with torch.no_grad():  # a projector that moves the output: images must matter
-        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.5)
-    model.save_pretrained(directory)
-    return directory
+    return save_idefics3_checkpoint(tmp_path_factory.mktemp("idefics3"), VOCAB, IMAGE)
 
 
 def processed(seed: int, size: tuple[int, int]) -> dict:
     """A random picture through Idefics3's image processor: tiles of TILE pixels and the
     whole picture, with the tile grid."""
     from PIL import Image
-    from transformers.models.idefics3.image_processing_pil_idefics3 import (
-        Idefics3ImageProcessorPil,
-    )
 
     pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
-    processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * TILE},
-        max_image_size={"longest_edge": TILE},
-        do_image_splitting=True,
-    )
+    processor = image_processor()
     out = processor(images=[Image.fromarray(pixels)], return_row_col_info=True, return_tensors="pt")
     return dict(out)
 

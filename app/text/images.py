@@ -1,0 +1,117 @@
+"""Images of a prompt on the tokenizer's side: bytes checked and decoded (bounded before
+any pixel is decoded), then through the model's own processor (transformers', on Pillow),
+which sizes each image's placeholder tokens and gives the encoder's pixels.
+
+The rendered chat prompt holds one placeholder string per image (the template's); each
+is expanded by the processor on its own, so every image gets its own pixels and its exact
+span of prompt tokens. Expansions start and end at special tokens, so encoding the text
+between them apart gives the ids the whole text would."""
+
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from app.models.source import ModelSource
+from app.protocol.errors import InvalidRequestError
+from app.protocol.images import ImageInput
+
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+IMAGE_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "BMP"})
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images: int = 8  # a request's
+    max_bytes: int = 20 * 2**20  # an image's, encoded
+    max_pixels: int = 7680 * 4320  # an image's, width x height, read from its header
+
+
+def load_processor(source: ModelSource) -> Any | None:
+    """The model's processor when its files name one (a multimodal checkpoint), else None."""
+    directory = source.directory
+    if source.is_gguf or not any(
+        (directory / name).is_file()
+        for name in ("processor_config.json", "preprocessor_config.json")
+    ):
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(directory))
+
+
+def placeholder(processor: Any) -> str:
+    """The string the chat template writes for an image, which the processor expands."""
+    return getattr(processor, "boi_token", None) or processor.image_token
+
+
+def open_image(data: bytes, limits: ImageLimits) -> Any:
+    """An RGB Pillow image of `data`; a 400 for what is too big, not an image, or
+    corrupt. Size is checked from the header, so a decompression bomb never decodes."""
+    from PIL import Image
+
+    if len(data) > limits.max_bytes:
+        raise InvalidRequestError(
+            f"an image is {len(data)} bytes; at most {limits.max_bytes}", "messages"
+        )
+    too_many = f"an image of more than {limits.max_pixels} pixels"
+    try:
+        with warnings.catch_warnings():  # the bound below applies, read from the header
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise InvalidRequestError(f"{too_many}: {exc}", "messages") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InvalidRequestError(f"not an image this server reads: {exc}", "messages") from exc
+    if image.format not in IMAGE_FORMATS:
+        raise InvalidRequestError(f"image format {image.format} is not accepted", "messages")
+    if image.width * image.height > limits.max_pixels:
+        raise InvalidRequestError(f"{too_many}: {image.width}x{image.height}", "messages")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return image.convert("RGB")
+    except (
+        OSError,
+        ValueError,
+        SyntaxError,
+        Image.DecompressionBombWarning,
+        Image.DecompressionBombError,
+    ) as exc:
+        raise InvalidRequestError(f"a corrupt image: {exc}", "messages") from exc
+
+
+def content_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+def encode_with_images(
+    processor: Any, text: str, images: list[bytes], limits: ImageLimits
+) -> tuple[list[int], list[ImageInput]]:
+    """The prompt's ids with each placeholder expanded, and the images at their spans."""
+    if len(images) > limits.max_images:
+        raise InvalidRequestError(
+            f"{len(images)} images in a request; at most {limits.max_images}", "messages"
+        )
+    pieces = text.split(placeholder(processor))
+    if len(pieces) != len(images) + 1:
+        raise InvalidRequestError(
+            f"the prompt has {len(pieces) - 1} image places for {len(images)} images", "messages"
+        )
+    tokenizer = processor.tokenizer
+    ids: list[int] = []
+    inputs: list[ImageInput] = []
+    for i, piece in enumerate(pieces):
+        ids += tokenizer(piece, add_special_tokens=False).input_ids
+        if i == len(images):
+            break
+        picture = open_image(images[i], limits)
+        out = processor(text=placeholder(processor), images=[[picture]], add_special_tokens=False)
+        span = list(np.asarray(out["input_ids"]).reshape(-1))
+        pixels = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
+        inputs.append(ImageInput(content_hash(images[i]), len(ids), len(span), pixels))
+        ids += [int(t) for t in span]
+    return ids, inputs

