@@ -19,6 +19,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.images import ImageInput
 from app.protocol.messages import ContextOp, EngineRequest, PromptEnding, RenderLimits, TemplateArgs
 from app.protocol.outputs import EngineInfo
 from app.protocol.sampling import SamplingParams
@@ -189,13 +190,15 @@ class Ingress:
         context: ContextOp | None = None,
         detok_prefix: list[int] | None = None,
         reasoning: ReasoningFormat | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> Generation:
         """Start a generation and wait for its first token; a refusal raises (ShoalError).
         `tag` (the HTTP request id) starts the engine's request id, so every hop's logs
         share it; the suffix keeps it unique when a client reuses an id. `reasoning`:
         how the output splits into thinking and answer (see `reasoning`)."""
         self.model(model)
-        request = EngineRequest(f"{tag}.{uuid.uuid4().hex[:8]}", list(prompt_ids), params, context)
+        rid = f"{tag}.{uuid.uuid4().hex[:8]}"
+        request = EngineRequest(rid, list(prompt_ids), params, context, tuple(images))
         timer = TokenTimer(self.metrics, model, len(prompt_ids))
         gen = Generation(
             self._streams[model],
@@ -251,28 +254,32 @@ class Ingress:
     ) -> list[int]:
         """The prompt's ids under the model's chat template (or the request's own, with
         its variables: `args`), ending as `ending` says (app/text/tokenizer.py)."""
-        source = self.model(model).engine.model
-        limits = await self._render_limits(model, args)
-        try:
-            return await self.tokenizer.encode_chat.remote(
-                model, messages, source, tools, ending, args, limits
-            )
-        except Exception as exc:
-            raise unwrap(exc) from None
+        return await self._render("encode_chat", model, messages, tools, ending, args)
 
-    async def chat_prompt(
+    async def encode_chat_with_images(
+        self, model: str, messages: list[dict[str, Any]], *rest: Any
+    ) -> tuple[list[int], list[ImageInput]]:
+        """`encode_chat` of messages that may hold images ({"type": "image", "image":
+        bytes} parts), and the images at their spans."""
+        return await self._render("encode_chat_with_images", model, messages, *rest)
+
+    async def chat_prompt(self, model: str, messages: list[dict[str, Any]], *rest: Any) -> str:
+        """The text of the prompt `encode_chat` encodes."""
+        return await self._render("chat_prompt", model, messages, *rest)
+
+    async def _render(
         self,
+        method: str,
         model: str,
         messages: list[dict[str, Any]],
         tools: list[dict] | None = None,
         ending: PromptEnding = "reply",
         args: TemplateArgs | None = None,
-    ) -> str:
-        """The text of the prompt `encode_chat` encodes."""
+    ) -> Any:
         source = self.model(model).engine.model
         limits = await self._render_limits(model, args)
         try:
-            return await self.tokenizer.chat_prompt.remote(
+            return await getattr(self.tokenizer, method).remote(
                 model, messages, source, tools, ending, args, limits
             )
         except Exception as exc:

@@ -13,7 +13,9 @@ from ray import serve
 
 from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.images import ImageInput
 from app.protocol.messages import PromptEnding, RenderLimits, TemplateArgs
+from app.text.images import ImageLimits, encode_with_images, load_processor, take_images
 from app.text.render_pool import RenderPool, Sandbox
 from app.text.request_template import request_templates_refused
 from app.text.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
@@ -27,10 +29,13 @@ class Tokenizer:
         trust_request_chat_template: bool = False,
         sandbox: TemplateSandboxConfig | None = None,
     ) -> None:
+        self.models = models
         self.tokenizers = {
             m.name: load_tokenizer(resolve_model(m.engine.model), m.chat_template) for m in models
         }
         self.runtime: dict[str, Any] = {}
+        self.processors: dict[str, Any] = {}  # image processors, on a model's first image
+        self.image_limits = ImageLimits()
         self.trust_request_chat_template = trust_request_chat_template
         sandbox = sandbox or TemplateSandboxConfig()
         self.pool = RenderPool(  # its workers start on first use
@@ -69,6 +74,38 @@ class Tokenizer:
         """`limits`: whose render it is and its prompt's bound, for a template rendered
         in the sandbox (the ingress sends them then)."""
         return self._render(chat_token_ids, model, messages, source, tools, ending, args, limits)
+
+    def encode_chat_with_images(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        source: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        ending: PromptEnding = "reply",
+        args: TemplateArgs | None = None,
+        limits: RenderLimits | None = None,
+    ) -> tuple[list[int], list[ImageInput]]:
+        """`encode_chat` of messages that may hold images ({"type": "image", "image":
+        bytes} parts): the ids with each image's placeholder expanded by the model's
+        processor, and the images at their spans (app/text/images.py)."""
+        messages, images = take_images(messages)
+        if not images:
+            return self.encode_chat(model, messages, source, tools, ending, args, limits), []
+        processor = self._processor(model, source)
+        text = self._render(chat_prompt, model, messages, source, tools, ending, args, limits)
+        return encode_with_images(processor, text, images, self.image_limits)
+
+    def _processor(self, model: str, source: str | None) -> Any:
+        key = model if model in self.tokenizers else f"{model}@{source}"
+        if key not in self.processors:
+            config = next((m for m in self.models if m.name == model), None)
+            path = config.engine.model if config is not None else source
+            self.processors[key] = load_processor(resolve_model(path)) if path else None
+        if self.processors[key] is None:
+            raise InvalidRequestError(
+                f"model {model!r} does not read images: send text only", "messages"
+            )
+        return self.processors[key]
 
     def chat_prompt(
         self,

@@ -7,6 +7,8 @@ is expanded by the processor on its own, so every image gets its own pixels and 
 span of prompt tokens. Expansions start and end at special tokens, so encoding the text
 between them apart gives the ids the whole text would."""
 
+import base64
+import binascii
 import hashlib
 import io
 import warnings
@@ -115,3 +117,45 @@ def encode_with_images(
         inputs.append(ImageInput(content_hash(images[i]), len(ids), len(span), pixels))
         ids += [int(t) for t in span]
     return ids, inputs
+
+
+def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """A chat turn's messages as templates take them ({"type": "image"} parts) and the
+    images' bytes in the order the template shows them. Every dialect puts an image in
+    a message's content as {"type": "image", "image": bytes}."""
+    images: list[bytes] = []
+    taken = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(p.get("type") == "image" for p in content):
+            parts = []
+            for part in content:
+                if part.get("type") == "image":
+                    images.append(part["image"])
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        taken.append(message)
+    return taken, images
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    """The bytes of a base64 data URL (data:image/png;base64,...). Other URLs are not
+    fetched: the client sends the image itself."""
+    if not url.startswith("data:"):
+        raise InvalidRequestError(
+            "image URLs are not fetched by this server: send the image as a data URL "
+            "(data:image/png;base64,...)",
+            param,
+        )
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise InvalidRequestError("an image data URL must be base64 (;base64,)", param)
+    return base64_bytes(payload, param)
+
+
+def base64_bytes(text: str, param: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error) as exc:
+        raise InvalidRequestError(f"an image is not valid base64: {exc}", param) from exc

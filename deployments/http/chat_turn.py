@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.protocol.errors import InvalidRequestError
+from app.protocol.images import ImageInput
 from app.protocol.messages import PromptEnding, TemplateArgs
 from app.protocol.sampling import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
 from app.text.reasoning import ReasoningFormat
@@ -86,6 +87,7 @@ class PreparedTurn:
     params: SamplingParams  # with the output's constraint
     tool_format: ToolFormat | None  # how calls are read out of the answer; None: no tools
     reasoning: ReasoningFormat | None  # how the thinking splits off; None: no thinking
+    images: tuple[ImageInput, ...] = ()  # at their spans of prompt_ids
 
 
 async def prepare(ingress: Ingress, turn: ChatTurn) -> PreparedTurn:
@@ -101,18 +103,26 @@ async def prepare(ingress: Ingress, turn: ChatTurn) -> PreparedTurn:
         fmt = None  # nothing of the answer is read as a call
     elif fmt is not None and (turn.forces_call or constraint is None):
         constraint = turn.tool_constraint(fmt)  # first: tools too many to constrain cost no render
-    ids = await ingress.encode_chat(turn.model, turn.messages, tools, turn.ending, args)
+    ids, images = await ingress.encode_chat_with_images(
+        turn.model, turn.messages, tools, turn.ending, args
+    )
     reasoning = ingress.reasoning(turn.model, ids, args)
     if reasoning is not None and constraint is not None:
         constraint = thinking_first(reasoning, constraint)
     params = turn.params.model_copy(update={"constraint": constraint})
-    return PreparedTurn(ids, params, fmt, reasoning)
+    return PreparedTurn(ids, params, fmt, reasoning, tuple(images))
 
 
 async def start(ingress: Ingress, turn: ChatTurn, tag: str) -> tuple[Generation, PreparedTurn]:
     """Prepare the turn and start its generation (outside any warm context)."""
     p = await prepare(ingress, turn)
     gen = await ingress.generate(
-        turn.model, p.prompt_ids, p.params, turn.stop_strings, tag, reasoning=p.reasoning
+        turn.model,
+        p.prompt_ids,
+        p.params,
+        turn.stop_strings,
+        tag,
+        reasoning=p.reasoning,
+        images=p.images,
     )
     return gen, p

@@ -23,6 +23,7 @@ from app.protocol.sampling import (
     SamplingParams,
 )
 from app.protocol.sampling import sampling_params as build_sampling_params
+from app.text.images import data_url_bytes
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.api.prompts import prompt_object_text
 from deployments.api.structured import StructuredFields, ToolFields, drop_inert
@@ -101,9 +102,17 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # image parts and the like: refused by type
+    model_config = ConfigDict(extra="allow")  # audio parts and the like: refused by type
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | None = None  # {"url": a data URL, "detail": ...}
+
+    def image(self) -> dict[str, Any]:
+        """An image_url part as the chat turn takes images."""
+        url = (self.image_url or {}).get("url")
+        if not isinstance(url, str):
+            raise InvalidRequestError("an image_url part needs image_url.url", "messages")
+        return {"type": "image", "image": data_url_bytes(url, "messages")}
 
 
 class ToolCallFunction(BaseModel):
@@ -156,6 +165,11 @@ class ChatMessage(BaseModel):
         """This message as chat templates take it: tool call arguments as objects."""
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": self.text()}
+        if isinstance(self.content, list) and any(p.type == "image_url" for p in self.content):
+            message["content"] = [  # the chat turn's parts: text and images' bytes
+                p.image() if p.type == "image_url" else {"type": "text", "text": _text(p)}
+                for p in self.content
+            ]
         if self.name:
             message["name"] = self.name
         if self.tool_calls:
@@ -169,14 +183,15 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(
-                    f"content parts of type {part.type!r} are not supported", param="messages"
-                )
-            parts.append(part.text)
-        return "".join(parts)
+        return "".join(_text(p) for p in self.content if p.type != "image_url")
+
+
+def _text(part: ContentPart) -> str:
+    if part.type != "text" or part.text is None:
+        raise InvalidRequestError(
+            f"content parts of type {part.type!r} are not supported", param="messages"
+        )
+    return part.text
 
 
 class ChatCompletionRequest(ToolFields, _Common):
