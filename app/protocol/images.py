@@ -4,6 +4,8 @@ processor (on the tokenizer's side, which also expanded its placeholder tokens).
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ImageInput:
@@ -18,3 +20,9 @@ class ImageInput:
     offset: int
     length: int
     pixels: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        # numpy, whatever the processor gave: torch tensors cross the pipe to an engine
+        # process as shared-memory handles that only multiprocessing's children may open.
+        arrays = {name: np.asarray(value) for name, value in self.pixels.items()}
+        object.__setattr__(self, "pixels", arrays)

@@ -180,3 +180,24 @@ def test_images_are_refused_where_they_cannot_be_read(checkpoint, tmp_path):
     text = tiny_engine(save_family_checkpoint(tmp_path, "qwen3"))
     with pytest.raises(InvalidRequestError, match="does not read images"):
         text.add_request("text", [1, 2, 3], GREEDY, images=inputs)
+
+
+@pytest.mark.live  # the engine in its own process, as a replica runs it
+def test_images_cross_to_the_engine_process(checkpoint):
+    import asyncio
+
+    from app.engine.engine_process import EngineProcess
+    from app.protocol.messages import EngineRequest
+    from tests.helpers import tiny_config
+
+    tokens, inputs, images = build([[1, 5, 9], processed(9, (80, 100)), [17, 3]])
+    request = EngineRequest("r", tokens, GREEDY, None, tuple(inputs))
+    proc = EngineProcess(tiny_config(checkpoint, num_kv_blocks=256))
+    try:
+
+        async def collect() -> list[int]:
+            return [t async for d in proc.generate(request) for t in d.token_ids]
+
+        assert asyncio.run(collect()) == transformers_greedy(checkpoint, tokens, images)
+    finally:
+        proc.shutdown()
