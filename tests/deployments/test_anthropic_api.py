@@ -14,7 +14,7 @@ from deployments.config import AppConfig
 from tests.local_app import MODEL, http_client, local_app, run
 
 ASK = [{"role": "user", "content": "Name three colours."}]
-IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
 WEATHER = {
     "name": "get_weather",
     "description": "The current weather in a city",
@@ -243,7 +243,7 @@ def test_errors_in_anthropics_shape(app):
         ingress.config = config
     assert isinstance(errors["unknown model"], anthropic.NotFoundError)
     assert isinstance(errors["image"], anthropic.BadRequestError)
-    assert "not supported" in errors["image"].body["error"]["message"]
+    assert "does not read images" in errors["image"].body["error"]["message"]
     assert isinstance(errors["thinking"], anthropic.BadRequestError)
     for field, response in raw.items():  # each 400 names the field at fault
         body = response.json()

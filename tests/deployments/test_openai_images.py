@@ -114,3 +114,49 @@ def test_a_text_model_refuses_images(smollm2_engine):
     refused = pytest.raises(openai.BadRequestError, match="does not read images")
     with local_app(config, smollm2_engine) as (app, _), refused:
         chat(app, MODEL, content)
+
+
+def test_anthropic_image_blocks_are_read_as_openai_image_parts(checkpoint):
+    import anthropic
+
+    config = AppConfig.model_validate(
+        {"models": [{"name": VLM, "engine": {"model": str(checkpoint)}}]}
+    )
+    engine = tiny_engine(checkpoint, num_kv_blocks=256)
+    image = picture(4, (80, 100))
+    block = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(image).decode(),
+        },
+    }
+    parts = [{"type": "text", "text": "Describe"}, block]
+
+    async def ask(app, content):  # noqa: ANN001, ANN202
+        import httpx2  # anthropic 2 speaks through httpx2, with its own ASGI transport
+
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://localhost") as http:
+            client = anthropic.AsyncAnthropic(
+                base_url="http://localhost", api_key="x", http_client=http
+            )
+            counted = await client.messages.count_tokens(
+                model=VLM, messages=[{"role": "user", "content": content}]
+            )
+            reply = await client.messages.create(
+                model=VLM,
+                max_tokens=6,
+                messages=[{"role": "user", "content": content}],
+                extra_body={"temperature": 0},
+            )
+            return counted.input_tokens, reply
+
+    with local_app(config, engine) as (app, _):
+        counted, reply = run(ask(app, parts))
+        openai_reply = chat(
+            app, VLM, [parts[0], {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        )
+    assert counted == openai_reply.usage.prompt_tokens > 100
+    assert reply.content[0].text == openai_reply.choices[0].message.content

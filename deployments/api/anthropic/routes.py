@@ -55,7 +55,9 @@ async def count_tokens(req: CountTokensRequest, ingress: IngressDep) -> dict:
     # Only the rendering: the output's constraint (a tools grammar to build) counts nothing.
     turn = _turn(ingress, req, SamplingParams())
     args = turn.template_args
-    ids = await ingress.encode_chat(turn.model, turn.messages, turn.tools, turn.ending, args)
+    ids, _ = await ingress.encode_chat_with_images(
+        turn.model, turn.messages, turn.tools, turn.ending, args
+    )
     return {"input_tokens": len(ids)}
 
 

@@ -2,7 +2,8 @@
 messages, tools and neutral SamplingParams.
 
 Strict like the OpenAI schemas: an unknown field is a 400 naming it, and a content block
-this server cannot honour (images, documents) is a 400 that says so. A last
+this server cannot honour (documents) is a 400 that says so. Image blocks (base64 data)
+become the chat turn's image parts, read by models that read images. A last
 assistant message is a prefill: the reply continues it. `thinking` reaches the chat
 template as `enable_thinking` (enabled: true, disabled: false, adaptive: the template's
 default); a reasoning model's thinking comes back as thinking blocks, and thinking
@@ -23,6 +24,7 @@ from app.protocol.sampling import (
     SamplingParams,
     sampling_params,
 )
+from app.text.images import base64_bytes, data_url_bytes
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.api.structured import (
     MAX_TOOLS,
@@ -221,6 +223,7 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
     become a `tool` message (before its text), an assistant's tool uses its
     `tool_calls`."""
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, where images come
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -228,6 +231,9 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
         kind = block.get("type")
         if kind == "text":
             texts.append(_text_block(block, where).text)
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and message.role == "user":
+            parts.append({"type": "image", "image": _image_bytes(block, where)})
         elif kind == "thinking" and message.role == "assistant":
             thoughts.append(str(block.get("thinking", "")))
         elif kind == "redacted_thinking" and message.role == "assistant":
@@ -242,7 +248,9 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
                 "messages",
             )
     out: list[dict[str, Any]] = list(results)
-    if texts or calls or not results:
+    if len(parts) > len(texts):  # images: the chat turn's parts
+        out.append({"role": message.role, "content": parts})
+    elif texts or calls or not results:
         entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
         if calls:
             entry["tool_calls"] = calls
@@ -250,6 +258,20 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
             entry["reasoning_content"] = "".join(thoughts)
         out.append(entry)
     return out
+
+
+def _image_bytes(block: dict[str, Any], where: str) -> bytes:
+    """An image block's bytes: base64 in the request (a URL source is not fetched)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise InvalidRequestError(f"{where}: an image block needs a source", "messages")
+    if source.get("type") == "url":
+        return data_url_bytes(str(source.get("url", "")), "messages")
+    if source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        raise InvalidRequestError(
+            f"{where}: an image source is base64 data (or a data URL)", "messages"
+        )
+    return base64_bytes(source["data"], "messages")
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
