@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
-        self.info = EngineInfo(model=engine.source.name, max_model_len=engine.max_model_len)
+        self.info = EngineInfo(
+            engine.source.name, engine.max_model_len, engine.loaded.vision is not None
+        )
         self._idle_wait_s = idle_wait_s
         self._streams = DeltaStreams()
         self._files = ContextFiles(engine)

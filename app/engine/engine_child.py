@@ -60,7 +60,8 @@ class EngineChild:
     def run(self) -> int:
         """Step until the parent says stop (0); a failed step raises."""
         engine = self.engine
-        self.send(("ready", EngineInfo(engine.source.name, engine.max_model_len)))
+        vision = engine.loaded.vision is not None
+        self.send(("ready", EngineInfo(engine.source.name, engine.max_model_len, vision)))
         last_sent = time.monotonic()
         while self._receive():
             if not engine.has_work:

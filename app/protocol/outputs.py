@@ -106,6 +106,7 @@ class EngineInfo:
 
     model: str
     max_model_len: int
+    reads_images: bool = False  # the model has an image encoder (app/models/vision)
 
 
 @dataclass(frozen=True, slots=True)

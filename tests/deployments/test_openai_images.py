@@ -160,3 +160,49 @@ def test_anthropic_image_blocks_are_read_as_openai_image_parts(checkpoint):
         )
     assert counted == openai_reply.usage.prompt_tokens > 100
     assert reply.content[0].text == openai_reply.choices[0].message.content
+
+
+def test_ollama_images_are_read_as_openai_image_parts(checkpoint):
+    import httpx
+    import ollama
+
+    config = AppConfig.model_validate(
+        {"models": [{"name": VLM, "engine": {"model": str(checkpoint)}}]}
+    )
+    engine = tiny_engine(checkpoint, num_kv_blocks=256)
+    image = picture(5, (80, 100))
+    options = {"temperature": 0, "num_predict": 6}
+
+    async def ask(app):  # noqa: ANN001, ANN202
+        transport = httpx.ASGITransport(app=app)
+        client = ollama.AsyncClient(host="http://localhost", transport=transport)
+        chatted = await client.chat(
+            model=VLM,
+            messages=[{"role": "user", "content": "Describe", "images": [image]}],
+            options=options,
+        )
+        generated = await client.generate(
+            model=VLM, prompt="Describe", images=[image], options=options
+        )
+        shown = await client.show(VLM)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
+            listed = (await http.get("/v1/models")).json()["models"]
+            props = (await http.get("/props")).json()
+        return chatted, generated, shown, listed, props
+
+    with local_app(config, engine) as (app, _):
+        chatted, generated, shown, listed, props = run(ask(app))
+        openai_reply = chat(
+            app,
+            VLM,
+            [
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": "Describe"},
+            ],
+        )
+    assert "vision" in shown.capabilities
+    assert "vision" in next(m for m in listed if m["name"] == VLM)["capabilities"]
+    assert props["modalities"]["vision"] is True
+    expected = openai_reply.choices[0].message.content
+    assert chatted.message.content == generated.response == expected
+    assert chatted.prompt_eval_count == openai_reply.usage.prompt_tokens > 100

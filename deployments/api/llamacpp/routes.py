@@ -101,6 +101,7 @@ async def props(ingress: IngressDep, request: Request, model: str | None = None)
     cfg, tokenizer = ingress.model(name), ingress.tokenizers[name]
     replicas = sum(1 for e in await ingress.engines() if e["engine_name"] == name) or 1
     defaults = SamplingParams(max_tokens=ingress.config.max_tokens_default)
+    info = await ingress.info(name)
     return {
         "model": name,
         "model_path": cfg.engine.model
@@ -108,12 +109,13 @@ async def props(ingress: IngressDep, request: Request, model: str | None = None)
         else without_host_detail(cfg.engine.model),
         "total_slots": cfg.engine.max_num_seqs * replicas,  # over the live replicas
         "default_generation_settings": {
-            "n_ctx": (await ingress.info(name)).max_model_len,
+            "n_ctx": info.max_model_len,
             "params": defaults.model_dump(mode="json"),
         },
         "chat_template": getattr(tokenizer, "chat_template", None) or "",
         "bos_token": tokenizer.bos_token or "",
         "eos_token": tokenizer.eos_token or "",
+        "modalities": {"vision": info.reads_images, "audio": False},
     }
 
 

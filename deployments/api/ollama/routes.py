@@ -26,6 +26,7 @@ from deployments.api.ollama.schema import (
     OllamaLegacyEmbedRequest,
     OllamaRequest,
     OllamaShowRequest,
+    with_images,
 )
 from deployments.http.caller import caller_of
 from deployments.http.chat_turn import ChatTurn, start
@@ -115,6 +116,7 @@ async def show(req: OllamaShowRequest, ingress: IngressDep, request: Request) ->
             "completion",
             *(["tools"] if ingress.tool_format(name) else []),
             *(["thinking"] if ingress.reasoning_format(name) else []),
+            *(["vision"] if info.reads_images else []),
         ],
     }
 
@@ -123,9 +125,12 @@ async def show(req: OllamaShowRequest, ingress: IngressDep, request: Request) ->
 async def generate(req: OllamaGenerateRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     started = time.perf_counter()
     name = _model_name(ingress, req.model, "generate")
-    if req.images or req.suffix:
-        raise InvalidRequestError("images and suffix are not supported by this server")
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported by this server")
     args = _think(ingress, name, req)
+    images: list = []
+    if req.images and (req.raw or req.template):
+        raise InvalidRequestError("images go through the model's chat template: not raw")
     if req.raw or req.template:
         text = req.prompt
         if not req.raw:
@@ -133,13 +138,16 @@ async def generate(req: OllamaGenerateRequest, ingress: IngressDep, tag: Request
         ids = await ingress.encode(name, text, False)
     else:
         system = [{"role": "system", "content": req.system}] if req.system else []
-        messages = [*system, {"role": "user", "content": req.prompt}]
-        ids = await ingress.encode_chat(name, messages, None, "reply", args)
+        content = with_images(req.prompt, req.images) if req.images else req.prompt
+        messages = [*system, {"role": "user", "content": content}]
+        ids, images = await ingress.encode_chat_with_images(name, messages, None, "reply", args)
     ids = list(req.context or []) + list(ids)
     reasoning = ingress.reasoning(name, ids, args)
     params = await _params(ingress, name, req, reasoning)
     stops = req.options.stop_strings
-    gen = await ingress.generate(name, ids, params, stops, tag, reasoning=reasoning)
+    gen = await ingress.generate(
+        name, ids, params, stops, tag, reasoning=reasoning, images=tuple(images)
+    )
 
     def piece(text: str, thinking: str = "", calls: list | None = None) -> dict:
         chunk = {"model": req.model, "created_at": _now(), "response": text, "done": False}
@@ -157,8 +165,6 @@ async def chat(req: OllamaChatRequest, ingress: IngressDep, tag: RequestTag):  #
     name = _model_name(ingress, req.model, "chat")
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", "messages")
-    if any(m.images for m in req.messages):
-        raise InvalidRequestError("images are not supported by this server", "messages")
     # Ollama has no tool_choice: the model decides, and a call it starts is kept
     # well-formed by the tools' grammar (unless `format` asks for JSON instead).
     await _check_num_ctx(ingress, name, req)

@@ -1,7 +1,7 @@
 """Ollama's request schemas and their mapping onto neutral SamplingParams.
 
 Lenient where Ollama is (unknown fields and runtime options are ignored), strict on what
-we cannot honour: `images` and `suffix` are refused by the routes rather than silently
+we cannot honour: `suffix` is refused by the routes rather than silently
 ignored. `think` reaches the chat template as `enable_thinking`. `format` ("json" or a JSON schema) constrains the output; `tools` are
 OpenAI-shaped, and calls come back in `message.tool_calls` with arguments as objects.
 """
@@ -21,6 +21,7 @@ from app.protocol.sampling import (
     sampling_params,
 )
 from app.text.go_template import MAX_TEMPLATE_BYTES
+from app.text.images import base64_bytes
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.api.structured import ToolDef
 
@@ -113,7 +114,7 @@ class OllamaGenerateRequest(OllamaRequest):
     template: str | None = Field(None, max_length=MAX_TEMPLATE_BYTES)
     raw: bool = False
     context: list[int] | None = None
-    images: list[str] | None = None  # not served: refused when given
+    images: list[str] | None = None  # base64, read by a model that reads images
     suffix: str | None = None  # not served: refused when given
 
 
@@ -132,12 +133,14 @@ class OllamaMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    images: list[str] | None = None  # not served: refused when given
+    images: list[str] | None = None  # base64, read by a model that reads images
     tool_calls: list[OllamaToolCall] | None = None  # an assistant's earlier calls
     tool_name: str | None = None  # the tool a tool message answers
 
     def template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.images:
+            message["content"] = with_images(self.content, self.images)
         if self.tool_calls:
             message["tool_calls"] = [
                 {"type": "function", "function": c.function.model_dump()} for c in self.tool_calls
@@ -145,6 +148,13 @@ class OllamaMessage(BaseModel):
         if self.tool_name:
             message["name"] = self.tool_name
         return message
+
+
+def with_images(text: str, images: list[str]) -> list[dict[str, Any]]:
+    """A message's images (base64), then its text, as the chat turn's parts: Ollama shows
+    a model a message's images before its words."""
+    parts = [{"type": "image", "image": base64_bytes(b, "images")} for b in images]
+    return [*parts, {"type": "text", "text": text}]
 
 
 class OllamaChatRequest(OllamaRequest):

@@ -38,7 +38,7 @@ async def list_models(ingress: IngressDep) -> dict:
     generative = [m.name for m in await ingress.ready_models()]
     embedding = ingress.embedding_models()
     cards = [_card(ingress, name) for name in generative + embedding]
-    models = [_entry(name, ["completion"]) for name in generative]
+    models = [_entry(name, await _capabilities(ingress, name)) for name in generative]
     models += [_entry(name, ["embedding"]) for name in embedding]
     return {"object": "list", "data": cards, "models": models}
 
@@ -54,6 +54,14 @@ def _card(ingress: Ingress, name: str) -> dict:
     if name not in ingress.embedding_models() and (aliases := ingress.model(name).aliases):
         card["aliases"] = list(aliases)  # llama.cpp's: other names it answers to
     return card
+
+
+async def _capabilities(ingress: Ingress, name: str) -> list[str]:
+    try:
+        vision = (await ingress.info(name)).reads_images  # asked once, then kept
+    except Exception:  # a replica that cannot answer now does not fail the listing
+        vision = False
+    return ["completion", *(["vision"] if vision else [])]
 
 
 def _entry(name: str, capabilities: list[str]) -> dict:
