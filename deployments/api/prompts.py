@@ -8,9 +8,11 @@ from app.protocol.errors import InvalidRequestError
 
 def prompt_object_text(item: dict[str, Any], param: str) -> str:
     """The text of llama.cpp's JSON prompt objects: {"prompt_string": text} (media in
-    `multimodal_data` refused: no model here reads images) or {"content": [text parts]}."""
+    `multimodal_data` refused: images go through the chat routes) or {"content": [text parts]}."""
     if item.get("multimodal_data"):
-        raise InvalidRequestError("multimodal_data is not supported: the model reads text", param)
+        raise InvalidRequestError(
+            "multimodal_data is not supported here: send images to /v1/chat/completions", param
+        )
     if isinstance(item.get("prompt_string"), str):
         return item["prompt_string"]
     parts = item.get("content")

