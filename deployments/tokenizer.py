@@ -117,7 +117,9 @@ class Tokenizer:
         args: TemplateArgs | None = None,
         limits: RenderLimits | None = None,
     ) -> str:
-        """The text `encode_chat` encodes (llama.cpp's /apply-template)."""
+        """The text `encode_chat` encodes (llama.cpp's /apply-template); an image is its
+        template's placeholder."""
+        messages, _ = take_images(messages)
         return self._render(chat_prompt, model, messages, source, tools, ending, args, limits)
 
     def _render(

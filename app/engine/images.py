@@ -18,7 +18,10 @@ import torch
 from app.protocol.errors import InvalidRequestError
 from app.protocol.images import ImageInput
 
-PSEUDO_IDS = 1 << 30  # an image's placeholder ids: vocab + content_hash % PSEUDO_IDS
+# An image's placeholder ids: vocab + content_hash % PSEUDO_IDS. Its hash is all that tells
+# two images' KV apart, so it keeps 62 bits (ids are int64): a collision would serve one
+# image's KV for another's.
+PSEUDO_IDS = 1 << 62
 
 
 @dataclass
@@ -46,7 +49,10 @@ def attach(tokens: list[int], images: Seq[ImageInput], vision: Any, vocab: int) 
         end = start + image.length
         span = np.asarray(tokens[start:end])
         positions = start + np.flatnonzero(span == vision.image_token_id)
-        expected = vision.rows(image.pixels)
+        try:
+            expected = vision.rows(image.pixels)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "messages") from exc
         if len(positions) != expected:
             raise InvalidRequestError(
                 f"an image of {expected} encoder rows has {len(positions)} placeholder tokens"
@@ -90,6 +96,8 @@ def step_rows(
     flat = 0
     for seq, start, n in zip(seqs, starts, counts, strict=True):
         for image in seq.images:
+            if image.end <= start or image.start >= start + n:
+                continue
             inside = (image.positions >= start) & (image.positions < start + n)
             if inside.any():
                 rows.append(torch.from_numpy(flat + image.positions[inside] - start))

@@ -22,7 +22,8 @@ from app.protocol.errors import InvalidRequestError
 from app.protocol.images import ImageInput
 
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
-IMAGE_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "BMP"})
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")  # the only decoders Pillow tries
+OPENED_AS = frozenset({*IMAGE_FORMATS, "MPO"})  # MPO: many phones' JPEGs, read as JPEG
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,12 @@ def open_image(data: bytes, limits: ImageLimits) -> Any:
     try:
         with warnings.catch_warnings():  # the bound below applies, read from the header
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
         raise InvalidRequestError(f"{too_many}: {exc}", "messages") from exc
     except (OSError, ValueError, SyntaxError) as exc:
         raise InvalidRequestError(f"not an image this server reads: {exc}", "messages") from exc
-    if image.format not in IMAGE_FORMATS:
+    if image.format not in OPENED_AS:
         raise InvalidRequestError(f"image format {image.format} is not accepted", "messages")
     if image.width * image.height > limits.max_pixels:
         raise InvalidRequestError(f"{too_many}: {image.width}x{image.height}", "messages")
@@ -114,6 +115,8 @@ def encode_with_images(
         out = processor(text=placeholder(processor), images=[[picture]], add_special_tokens=False)
         span = list(np.asarray(out["input_ids"]).reshape(-1))
         pixels = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
+        if "pixel_attention_mask" in pixels:  # int64 from the processor: 8x the bytes
+            pixels["pixel_attention_mask"] = pixels["pixel_attention_mask"].astype(bool)
         inputs.append(ImageInput(content_hash(images[i]), len(ids), len(span), pixels))
         ids += [int(t) for t in span]
     return ids, inputs
@@ -142,7 +145,7 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
 def data_url_bytes(url: str, param: str) -> bytes:
     """The bytes of a base64 data URL (data:image/png;base64,...). Other URLs are not
     fetched: the client sends the image itself."""
-    if not url.startswith("data:"):
+    if url[:5].lower() != "data:":
         raise InvalidRequestError(
             "image URLs are not fetched by this server: send the image as a data URL "
             "(data:image/png;base64,...)",
@@ -155,6 +158,8 @@ def data_url_bytes(url: str, param: str) -> bytes:
 
 
 def base64_bytes(text: str, param: str) -> bytes:
+    text = "".join(text.split())  # MIME's line breaks
+    text += "=" * (-len(text) % 4)  # and padding some encoders leave out
     try:
         return base64.b64decode(text, validate=True)
     except (ValueError, binascii.Error) as exc:

@@ -188,6 +188,11 @@ def test_ollama_images_are_read_as_openai_image_parts(checkpoint):
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             listed = (await http.get("/v1/models")).json()["models"]
             props = (await http.get("/props")).json()
+            body = {"model": VLM, "prompt": "And?", "context": [1, 2], "stream": False}
+            with_context = await http.post(
+                "/api/generate", json={**body, "images": [base64.b64encode(image).decode()]}
+            )
+        assert with_context.status_code == 400, with_context.text
         return chatted, generated, shown, listed, props
 
     with local_app(config, engine) as (app, _):

@@ -3,6 +3,7 @@ expanded by SmolVLM's processor on its own gives the ids and pixels of the proce
 over the whole prompt, and the engine's greedy output on them equals transformers'; bad
 images are refused before they are decoded."""
 
+import base64
 import io
 
 import numpy as np
@@ -12,7 +13,14 @@ import torch
 from app.models.source import resolve_model
 from app.protocol import SamplingParams
 from app.protocol.errors import InvalidRequestError
-from app.text.images import ImageLimits, encode_with_images, load_processor, open_image
+from app.text.images import (
+    ImageLimits,
+    base64_bytes,
+    data_url_bytes,
+    encode_with_images,
+    load_processor,
+    open_image,
+)
 from tests.helpers import tiny_engine
 from tests.models.vision_checkpoints import save_idefics3_checkpoint
 
@@ -96,7 +104,20 @@ def test_bad_images_are_refused_before_they_are_decoded(checkpoint):
     with pytest.raises(InvalidRequestError, match="more than"):
         open_image(bomb.getvalue(), ImageLimits(max_pixels=10**7))
     processor = load_processor(resolve_model(str(checkpoint)))
+    with pytest.raises(InvalidRequestError, match="base64"):
+        base64_bytes("not base64!", "images")
+    with pytest.raises(InvalidRequestError, match="data URL"):
+        data_url_bytes("https://example.com/a.png", "messages")
     with pytest.raises(InvalidRequestError, match="at most 1"):
         encode_with_images(processor, "<image><image>", [png(5, (8, 8))] * 2, limits)
     with pytest.raises(InvalidRequestError, match="image places"):
         encode_with_images(processor, "no place", [png(5, (8, 8))], limits)
+
+
+def test_base64_as_clients_send_it():
+    data = png(6, (16, 16))
+    encoded = base64.b64encode(data).decode()
+    wrapped = "\n".join(encoded[i : i + 76] for i in range(0, len(encoded), 76))  # MIME's
+    assert base64_bytes(wrapped, "images") == data
+    assert base64_bytes(encoded.rstrip("="), "images") == data  # unpadded
+    assert data_url_bytes("DATA:image/png;base64," + encoded, "messages") == data

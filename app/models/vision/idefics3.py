@@ -5,6 +5,7 @@ projected to the language model's width. A tile of 1024 patches becomes 64 rows,
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,12 +45,19 @@ class Idefics3Vision(nn.Module):
         self.vision_model = SiglipVisionModel(vision)
         self.connector = Connector(vision.hidden_size, text.hidden_size, hf_config.scale_factor)
         self.image_token_id = int(hf_config.image_token_id)
+        self.tile = (vision.num_channels, vision.image_size, vision.image_size)
         per_side = vision.image_size // vision.patch_size
         self.rows_per_tile = per_side**2 // hf_config.scale_factor**2
 
     def rows(self, pixels: dict[str, Any]) -> int:
-        """How many placeholder tokens an image's processed pixels fill."""
-        return int(pixels["pixel_values"].shape[-4]) * self.rows_per_tile
+        """How many placeholder tokens an image's processed pixels fill; ValueError for
+        pixels not in this encoder's tiles (the connector needs square ones)."""
+        values, mask = pixels.get("pixel_values"), pixels.get("pixel_attention_mask")
+        if values is None or values.ndim < 4 or tuple(values.shape[-3:]) != self.tile:
+            raise ValueError(f"an image's pixel_values are not tiles of {self.tile}")
+        if mask is not None and tuple(mask.shape) != tuple(values.shape[:-3] + values.shape[-2:]):
+            raise ValueError("an image's pixel_attention_mask does not match its pixels")
+        return int(np.prod(values.shape[:-3])) * self.rows_per_tile
 
     @torch.inference_mode()
     def forward(self, images: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -62,13 +70,15 @@ class Idefics3Vision(nn.Module):
             if mask is None:
                 mask = torch.ones(values.shape[0], *values.shape[-2:], dtype=torch.bool)
             tiles.append((values, torch.as_tensor(mask).flatten(0, -3).bool()))
-        dtype = self.connector.modality_projection.proj.weight.dtype
+        weight = self.connector.modality_projection.proj.weight
+        dtype, device = weight.dtype, weight.device
         out: list[torch.Tensor | None] = [None] * len(images)
         for shape in dict.fromkeys(v.shape[1:] for v, _ in tiles):
             same = [i for i, (v, _) in enumerate(tiles) if v.shape[1:] == shape]
-            values = torch.cat([tiles[i][0] for i in same]).to(dtype)
-            masks = torch.cat([tiles[i][1] for i in same])
+            values = torch.cat([tiles[i][0] for i in same]).to(device, dtype)
+            masks = torch.cat([tiles[i][1] for i in same]).to(device)
             rows = self.connector(self.vision_model(values, masks))
             for i, part in zip(same, rows.split([len(tiles[i][0]) for i in same]), strict=True):
-                out[i] = part.reshape(-1, part.shape[-1])
+                # on the host: a step's rows go to every tensor-parallel shard with it
+                out[i] = part.reshape(-1, part.shape[-1]).cpu()
         return out  # type: ignore[return-value]

@@ -70,11 +70,13 @@ class SiglipEmbeddings(nn.Module):
         x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
         # A patch's position is the bucket of its fractional coordinates among the trained
         # grid's, so a smaller image spreads over the whole table rather than its corner.
-        boundaries = torch.arange(1 / self.per_side, 1.0, 1 / self.per_side)
+        device = patch_mask.device
+        boundaries = torch.arange(1 / self.per_side, 1.0, 1 / self.per_side, device=device)
         rows, cols = patch_mask[:, :, 0].sum(1), patch_mask[:, 0, :].sum(1)
 
         def buckets(count: torch.Tensor, size: int) -> torch.Tensor:
-            fraction = torch.arange(size, dtype=torch.float32)[None, :] * (1.0 / count)[:, None]
+            steps = torch.arange(size, dtype=torch.float32, device=device)
+            fraction = steps[None, :] * (1.0 / count)[:, None]
             return torch.bucketize(fraction.clamp(max=1.0 - 1e-6), boundaries, right=True)
 
         h, w = buckets(rows, patch_mask.shape[1]), buckets(cols, patch_mask.shape[2])

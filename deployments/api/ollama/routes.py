@@ -129,8 +129,9 @@ async def generate(req: OllamaGenerateRequest, ingress: IngressDep, tag: Request
         raise InvalidRequestError("suffix is not supported by this server")
     args = _think(ingress, name, req)
     images: list = []
-    if req.images and (req.raw or req.template):
-        raise InvalidRequestError("images go through the model's chat template: not raw")
+    if req.images and (req.raw or req.template or req.context):
+        # a context's ids hold earlier images' placeholders without their pixels
+        raise InvalidRequestError("images go through the chat template, without raw or context")
     if req.raw or req.template:
         text = req.prompt
         if not req.raw:
