@@ -350,7 +350,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
                 ]
             },
             "messages",
-            "image_url",
+            "not fetched",  # only data URLs: the server fetches nothing for a client
         ),
     ],
 )
