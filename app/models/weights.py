@@ -1,7 +1,7 @@
 """Tensor iterators over checkpoints: HF safetensors (sharded or not) and GGUF."""
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -46,14 +46,19 @@ def safetensors_files(source: ModelSource) -> list[Path]:
     return files
 
 
-def iter_safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    source: ModelSource, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, or only those whose names are `wanted` (the others are
+    never read from disk)."""
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(source):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ModelLoadError(source.name, f"corrupt weights in {path.name}: {exc}") from exc
 

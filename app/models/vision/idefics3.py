@@ -9,9 +9,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from app.models.families import idefics3 as family
 from app.models.vision.siglip import SiglipVisionModel
 
-ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+ARCHITECTURES = tuple(family.ARCHITECTURES)  # the checkpoints this encoder is part of
 
 
 class Connector(nn.Module):

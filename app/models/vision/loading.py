@@ -30,9 +30,9 @@ def load_vision(
     vision = vision.to_empty(device=device)
     expected = set(vision.state_dict())
     state = {}
-    for name, tensor in iter_safetensors(source):
-        if name.startswith("model.") and name.removeprefix("model.") in expected:
-            state[name.removeprefix("model.")] = tensor
+    wanted = {f"model.{name}" for name in expected}
+    for name, tensor in iter_safetensors(source, wanted.__contains__):  # not the decoder's
+        state[name.removeprefix("model.")] = tensor
     missing = expected - set(state)
     if missing:
         shown = ", ".join(sorted(missing)[:5])
