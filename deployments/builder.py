@@ -24,7 +24,9 @@ def build_app(config: AppConfig, model_server: Deployment = ModelServerDeploymen
     tokenizer = TokenizerDeployment.options(
         max_ongoing_requests=config.tokenizer_max_ongoing_requests,
         ray_actor_options={"num_cpus": config.tokenizer_num_cpus},
-    ).bind(config.models, config.trust_request_chat_template, config.template_sandbox)
+    ).bind(
+        config.models, config.trust_request_chat_template, config.template_sandbox, config.images
+    )
     models = {m.name: model_deployment(m, registry, model_server) for m in config.models}
     embedder = None
     if config.embeddings.enabled:

@@ -17,6 +17,7 @@ from app.models.source import DEFAULT_MODEL
 from app.text.reasoning import REASONING_PARSERS
 from deployments.database_config import DatabaseConfig, moved_database_keys
 from deployments.files_config import FilesConfig
+from deployments.images_config import ImagesConfig
 from deployments.operator_config import OperatorConfig
 
 
@@ -219,6 +220,7 @@ class AppConfig(BaseModel):
     database: DatabaseConfig = Field(default_factory=DatabaseConfig)
     assistants: AssistantsConfig = Field(default_factory=AssistantsConfig)
     files: FilesConfig = Field(default_factory=FilesConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
     operator: OperatorConfig = Field(default_factory=OperatorConfig)
     tokenizer_num_cpus: float = Field(0.25, gt=0)
     ingress_num_cpus: float = Field(0.25, gt=0)

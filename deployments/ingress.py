@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -32,6 +33,7 @@ from deployments.config import AppConfig, ModelDeploymentConfig
 from deployments.http.client_scope import current_client
 from deployments.http.generation import Generation, overloaded, replica_failure
 from deployments.http.guard import Admission
+from deployments.http.image_urls import ImageFetcher
 from deployments.http.metrics import IngressMetrics, TokenTimer
 
 logger = logging.getLogger("ray.serve")
@@ -75,6 +77,7 @@ class Ingress:
         self.stopped_models: set[str] = set()
         # Closed once the operator drains the app: every new request is refused (503).
         self.admission = Admission()
+        self.image_urls = ImageFetcher(config.images)
         # Configured once and cached: per-request .options() is slow.
         self._streams = {name: h.options(stream=True) for name, h in models.items()}
         self._calls = models
@@ -259,8 +262,9 @@ class Ingress:
     async def encode_chat_with_images(
         self, model: str, messages: list[dict[str, Any]], *rest: Any
     ) -> tuple[list[int], list[ImageInput]]:
-        """`encode_chat` of messages that may hold images ({"type": "image", "image":
-        bytes} parts), and the images at their spans."""
+        """`encode_chat` of messages that may hold images ({"type": "image"} parts with
+        bytes, or a URL fetched here first), and the images at their spans."""
+        messages = await self.image_urls.resolve(messages, partial(self.info, model))
         return await self._render("encode_chat_with_images", model, messages, *rest)
 
     async def chat_prompt(self, model: str, messages: list[dict[str, Any]], *rest: Any) -> str:

@@ -15,11 +15,12 @@ from app.models.source import resolve_model
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.images import ImageInput
 from app.protocol.messages import PromptEnding, RenderLimits, TemplateArgs
-from app.text.images import ImageLimits, encode_with_images, load_processor, take_images
+from app.text.images import encode_with_images, load_processor, take_images
 from app.text.render_pool import RenderPool, Sandbox
 from app.text.request_template import request_templates_refused
 from app.text.tokenizer import chat_prompt, chat_token_ids, load_tokenizer
 from deployments.config import ModelDeploymentConfig, TemplateSandboxConfig
+from deployments.images_config import ImagesConfig
 
 
 class Tokenizer:
@@ -28,6 +29,7 @@ class Tokenizer:
         models: list[ModelDeploymentConfig],
         trust_request_chat_template: bool = False,
         sandbox: TemplateSandboxConfig | None = None,
+        images: ImagesConfig | None = None,
     ) -> None:
         self.models = models
         self.tokenizers = {
@@ -35,7 +37,7 @@ class Tokenizer:
         }
         self.runtime: dict[str, Any] = {}
         self.processors: dict[str, Any] = {}  # image processors, on a model's first image
-        self.image_limits = ImageLimits()
+        self.image_limits = (images or ImagesConfig()).limits()
         self.trust_request_chat_template = trust_request_chat_template
         sandbox = sandbox or TemplateSandboxConfig()
         self.pool = RenderPool(  # its workers start on first use
@@ -95,6 +97,23 @@ class Tokenizer:
         text = self._render(chat_prompt, model, messages, source, tools, ending, args, limits)
         return encode_with_images(processor, text, images, self.image_limits)
 
+    def encode_with_images(
+        self,
+        model: str,
+        text: str,
+        images: list[bytes],
+        marker: str,
+        add_special_tokens: bool = True,
+        source: str | None = None,
+    ) -> tuple[list[int], list[ImageInput]]:
+        """A raw prompt's ids with each `marker` expanded by the model's processor into
+        the next image's tokens, and the images at their spans (llama.cpp's prompt
+        objects with `multimodal_data`)."""
+        processor = self._processor(model, source)
+        return encode_with_images(
+            processor, text, images, self.image_limits, marker, add_special_tokens
+        )
+
     def _processor(self, model: str, source: str | None) -> Any:
         key = model if model in self.tokenizers else f"{model}@{source}"
         if key not in self.processors:
@@ -103,7 +122,9 @@ class Tokenizer:
             self.processors[key] = load_processor(resolve_model(path)) if path else None
         if self.processors[key] is None:
             raise InvalidRequestError(
-                f"model {model!r} does not read images: send text only", "messages"
+                f"image input is not supported: model {model!r} does not read images; "
+                "send text only",
+                "messages",
             )
         return self.processors[key]
 

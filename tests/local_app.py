@@ -92,7 +92,12 @@ def local_app(
     ingress = Ingress(
         config,
         LocalHandle(
-            Tokenizer(config.models, config.trust_request_chat_template, config.template_sandbox)
+            Tokenizer(
+                config.models,
+                config.trust_request_chat_template,
+                config.template_sandbox,
+                config.images,
+            )
         ),
         {model.name: LocalHandle(server)},
         None if embedder is None else LocalHandle(embedder),

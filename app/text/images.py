@@ -3,9 +3,12 @@ any pixel is decoded), then through the model's own processor (transformers', on
 which sizes each image's placeholder tokens and gives the encoder's pixels.
 
 The rendered chat prompt holds one placeholder string per image (the template's); each
-is expanded by the processor on its own, so every image gets its own pixels and its exact
-span of prompt tokens. Expansions start and end at special tokens, so encoding the text
-between them apart gives the ids the whole text would."""
+image goes through the processor on its own, which gives its pixels and its expansion
+(the tokens its placeholder becomes). The expanded prompt is then tokenized whole, as
+the processor tokenizes it: an expansion may begin or end in plain text (Gemma 3's
+newlines), which merges with the text beside it. An image's span runs from its first
+placeholder token to its last, and the prompt's count of placeholder tokens must be the
+expansions' (a text that writes such tokens itself is refused)."""
 
 import base64
 import binascii
@@ -92,40 +95,56 @@ def content_hash(data: bytes) -> int:
 
 
 def encode_with_images(
-    processor: Any, text: str, images: list[bytes], limits: ImageLimits
+    processor: Any,
+    text: str,
+    images: list[bytes],
+    limits: ImageLimits,
+    marker: str | None = None,
+    add_special_tokens: bool = False,
 ) -> tuple[list[int], list[ImageInput]]:
-    """The prompt's ids with each placeholder expanded, and the images at their spans."""
+    """The prompt's ids with each image's place expanded, and the images at their spans.
+    An image's place is the template's placeholder, or `marker` in a raw prompt (which
+    starts with the tokenizer's special tokens when `add_special_tokens`)."""
     if len(images) > limits.max_images:
         raise InvalidRequestError(
             f"{len(images)} images in a request; at most {limits.max_images}", "messages"
         )
-    pieces = text.split(placeholder(processor))
+    pieces = text.split(marker or placeholder(processor))
     if len(pieces) != len(images) + 1:
         raise InvalidRequestError(
             f"the prompt has {len(pieces) - 1} image places for {len(images)} images", "messages"
         )
     tokenizer = processor.tokenizer
-    ids: list[int] = []
-    inputs: list[ImageInput] = []
-    for i, piece in enumerate(pieces):
-        ids += tokenizer(piece, add_special_tokens=False).input_ids
-        if i == len(images):
-            break
-        picture = open_image(images[i], limits)
+    token = int(processor.image_token_ids[0])  # what the encoder's rows replace
+    expansions, counts, pixels = [], [], []
+    for data in images:
+        picture = open_image(data, limits)
         out = processor(text=placeholder(processor), images=[[picture]], add_special_tokens=False)
-        span = list(np.asarray(out["input_ids"]).reshape(-1))
-        pixels = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
-        if "pixel_attention_mask" in pixels:  # int64 from the processor: 8x the bytes
-            pixels["pixel_attention_mask"] = pixels["pixel_attention_mask"].astype(bool)
-        inputs.append(ImageInput(content_hash(images[i]), len(ids), len(span), pixels))
-        ids += [int(t) for t in span]
+        span = np.asarray(out["input_ids"]).reshape(-1)
+        expansions.append(tokenizer.decode(span.tolist(), clean_up_tokenization_spaces=False))
+        counts.append(int((span == token).sum()))
+        arrays = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
+        if "pixel_attention_mask" in arrays:  # int64 from the processor: 8x the bytes
+            arrays["pixel_attention_mask"] = arrays["pixel_attention_mask"].astype(bool)
+        pixels.append(arrays)
+    whole = pieces[0] + "".join(e + p for e, p in zip(expansions, pieces[1:], strict=True))
+    ids = [int(t) for t in tokenizer(whole, add_special_tokens=add_special_tokens).input_ids]
+    places = np.flatnonzero(np.asarray(ids) == token)
+    if len(places) != sum(counts):
+        raise InvalidRequestError("the prompt's text holds image tokens of its own", "messages")
+    inputs, at = [], 0
+    for data, n, arrays in zip(images, counts, pixels, strict=True):
+        first, last = int(places[at]), int(places[at + n - 1])
+        inputs.append(ImageInput(content_hash(data), first, last - first + 1, arrays))
+        at += n
     return ids, inputs
 
 
 def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
     """A chat turn's messages as templates take them ({"type": "image"} parts) and the
     images' bytes in the order the template shows them. Every dialect puts an image in
-    a message's content as {"type": "image", "image": bytes}."""
+    a message's content as {"type": "image", "image": bytes} (an image URL's part,
+    {"type": "image", "url": url}, is fetched by the ingress before it comes here)."""
     images: list[bytes] = []
     taken = []
     for message in messages:
@@ -134,7 +153,7 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
             parts = []
             for part in content:
                 if part.get("type") == "image":
-                    images.append(part["image"])
+                    images.append(part.get("image", b""))
                     part = {"type": "image"}
                 parts.append(part)
             message = {**message, "content": parts}
@@ -142,15 +161,20 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
     return taken, images
 
 
-def data_url_bytes(url: str, param: str) -> bytes:
-    """The bytes of a base64 data URL (data:image/png;base64,...). Other URLs are not
-    fetched: the client sends the image itself."""
-    if url[:5].lower() != "data:":
+def image_url_part(url: str, param: str) -> dict[str, Any]:
+    """A chat turn's image part for an image URL: a data URL, or an http(s) URL (which the
+    ingress fetches where the config allows). The part holds the URL, not yet its bytes,
+    so that a stored turn (Responses) keeps it as JSON; the ingress reads it before the
+    prompt is rendered (deployments/http/image_urls.py)."""
+    if url.split(":", 1)[0].lower() not in ("data", "http", "https"):
         raise InvalidRequestError(
-            "image URLs are not fetched by this server: send the image as a data URL "
-            "(data:image/png;base64,...)",
-            param,
+            "an image URL is a data URL (data:image/png;base64,...) or an http(s) URL", param
         )
+    return {"type": "image", "url": url}
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    """The bytes of a base64 data URL (data:image/png;base64,...)."""
     header, _, payload = url.partition(",")
     if not header.endswith(";base64"):
         raise InvalidRequestError("an image data URL must be base64 (;base64,)", param)

@@ -2,7 +2,7 @@
 has at which commit, and one file fetched into a local directory, resumably.
 
 Everything goes through huggingface_hub (its API client for the listing, its URL rules,
-its `http_get` for the bytes) over one guarded HTTP client (url_guard.py). huggingface_hub
+its `http_get` for the bytes) over one guarded HTTP client (deployments/url_guard.py). huggingface_hub
 keeps one client per process, so `Hub` installs its client factory: in a Serve replica
 that process is the operator's own.
 """
@@ -27,7 +27,7 @@ from huggingface_hub.hf_api import RepoSibling
 from tqdm import tqdm
 
 from app.protocol.errors import InvalidRequestError, NotFoundError, ShoalError
-from deployments.operator.url_guard import HostPolicy, guarded_client
+from deployments.url_guard import HostPolicy, guarded_client
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 CHUNK_BYTES = 1 << 20

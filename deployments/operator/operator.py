@@ -26,10 +26,10 @@ from deployments.operator.hardware import cluster_hardware
 from deployments.operator.hub import Hub
 from deployments.operator.inference import LIVE, Deployer, InferenceManager
 from deployments.operator.serve_deployer import ServeDeployer
-from deployments.operator.url_guard import HostPolicy
 from deployments.state.database import Database
 from deployments.state.downloads import DownloadStore
 from deployments.state.inference import InferenceStore
+from deployments.url_guard import HostPolicy
 
 logger = logging.getLogger("ray.serve")
 METRICS_EVERY_S = 2.0  # at most one batch of `metrics` events this often

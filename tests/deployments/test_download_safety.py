@@ -11,7 +11,7 @@ import pytest
 
 from deployments.config import AppConfig
 from deployments.operator.operator import Operator
-from deployments.operator.url_guard import HostPolicy, TargetRefusedError, guarded_client
+from deployments.url_guard import HostPolicy, TargetRefusedError, guarded_client
 from tests.deployments import test_operator_downloads as downloads
 from tests.deployments.test_operator_downloads import REPO, client_for, make_config, wait_for
 

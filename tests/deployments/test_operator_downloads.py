@@ -16,8 +16,8 @@ from deployments.http.app import create_app
 from deployments.ingress import Ingress
 from deployments.operator.operator import Operator
 from deployments.operator.serve_deployer import ServeDeployer
-from deployments.operator.url_guard import HostPolicy, TargetRefusedError, guarded_client
 from deployments.tokenizer import Tokenizer
+from deployments.url_guard import HostPolicy, TargetRefusedError, guarded_client
 from tests.fixture_hub import fixture_hub, save_tiny_chat_model
 from tests.local_app import LocalHandle
 

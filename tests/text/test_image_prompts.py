@@ -18,6 +18,7 @@ from app.text.images import (
     base64_bytes,
     data_url_bytes,
     encode_with_images,
+    image_url_part,
     load_processor,
     open_image,
 )
@@ -107,7 +108,9 @@ def test_bad_images_are_refused_before_they_are_decoded(checkpoint):
     with pytest.raises(InvalidRequestError, match="base64"):
         base64_bytes("not base64!", "images")
     with pytest.raises(InvalidRequestError, match="data URL"):
-        data_url_bytes("https://example.com/a.png", "messages")
+        image_url_part("ftp://example.com/a.png", "messages")
+    with pytest.raises(InvalidRequestError, match="must be base64"):
+        data_url_bytes("data:image/png,abc", "messages")
     with pytest.raises(InvalidRequestError, match="at most 1"):
         encode_with_images(processor, "<image><image>", [png(5, (8, 8))] * 2, limits)
     with pytest.raises(InvalidRequestError, match="image places"):

@@ -24,7 +24,7 @@ from app.protocol.sampling import (
     SamplingParams,
     sampling_params,
 )
-from app.text.images import base64_bytes, data_url_bytes
+from app.text.images import base64_bytes, image_url_part
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.api.structured import (
     MAX_TOOLS,
@@ -233,7 +233,7 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
             texts.append(_text_block(block, where).text)
             parts.append({"type": "text", "text": texts[-1]})
         elif kind == "image" and message.role == "user":
-            parts.append({"type": "image", "image": _image_bytes(block, where)})
+            parts.append(_image_part(block, where))
         elif kind == "thinking" and message.role == "assistant":
             thoughts.append(str(block.get("thinking", "")))
         elif kind == "redacted_thinking" and message.role == "assistant":
@@ -260,18 +260,17 @@ def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _image_bytes(block: dict[str, Any], where: str) -> bytes:
-    """An image block's bytes: base64 in the request (a URL source is not fetched)."""
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as the chat turn takes it: base64 data, or a URL (data or http(s):
+    the ingress fetches an http(s) one where the config allows)."""
     source = block.get("source")
     if not isinstance(source, dict):
         raise InvalidRequestError(f"{where}: an image block needs a source", "messages")
     if source.get("type") == "url":
-        return data_url_bytes(str(source.get("url", "")), "messages")
+        return image_url_part(str(source.get("url", "")), "messages")
     if source.get("type") != "base64" or not isinstance(source.get("data"), str):
-        raise InvalidRequestError(
-            f"{where}: an image source is base64 data (or a data URL)", "messages"
-        )
-    return base64_bytes(source["data"], "messages")
+        raise InvalidRequestError(f"{where}: an image source is base64 data or a URL", "messages")
+    return {"type": "image", "image": base64_bytes(source["data"], "messages")}
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -300,17 +299,23 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(call_id, str):
         raise InvalidRequestError(f"{where}: a tool_result block needs tool_use_id", "messages")
     content = block.get("content", "")
+    error = "Error: " if block.get("is_error") else ""
     if isinstance(content, list):
-        parts = []
+        parts = [{"type": "text", "text": error}] if error else []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                parts.append(_image_part(part, where))
+            elif kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
                 raise InvalidRequestError(
-                    f"{where}: tool_result content is text blocks only here", "messages"
+                    f"{where}: tool_result content is text and image blocks", "messages"
                 )
-            parts.append(str(part.get("text", "")))
-        content = "".join(parts)
+        if any(p["type"] == "image" for p in parts):  # the chat turn's parts, images in place
+            return {"role": "tool", "tool_call_id": call_id, "content": parts}
+        content = "".join(p["text"] for p in parts)
+        error = ""
     elif not isinstance(content, str):
         content = json.dumps(content)
-    if block.get("is_error"):
-        content = f"Error: {content}"
-    return {"role": "tool", "tool_call_id": call_id, "content": content}
+    return {"role": "tool", "tool_call_id": call_id, "content": error + content}

@@ -4,7 +4,9 @@
 list of prompts: one result each, in a list), its two `logit_bias` forms, `n_probs`,
 `response_fields` and `return_tokens`, and answers in its shape: `content`, `stop_type`,
 `tokens`, `completion_probabilities`, `generation_settings` and `timings`. A request on a
-slot (`id_slot`, `cache_prompt`) keeps its tokens and KV in that slot's context.
+slot (`id_slot`, `cache_prompt`) keeps its tokens and KV in that slot's context. A
+prompt object's `multimodal_data` (base64 images) goes where its text's media markers
+stand (`<__media__>`, as /props says), for a model that reads images.
 """
 
 import math
@@ -15,11 +17,13 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.images import ImageInput
 from app.protocol.messages import ContextAction
 from app.protocol.outputs import TokenLogprob
 from app.protocol.sampling import SamplingParams
 from app.text.fim import fim_prompt
 from deployments.api.llamacpp.schema import LlamaCompletionRequest, LlamaInfillRequest, PromptPiece
+from deployments.api.prompts import MediaPrompt, encode_media_prompt
 from deployments.api.slots import check_slot, slot_op
 from deployments.http.generation import Generation
 from deployments.http.run_all import run_all
@@ -34,15 +38,19 @@ router = APIRouter()
 @router.post("/completion")
 async def completion(req: LlamaCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     name = ingress.default_model(req.model)
-    prompts = [await _encode(ingress, name, pieces) for pieces in req.prompts()]
+    encoded = [await _encode(ingress, name, pieces) for pieces in req.prompts()]
+    prompts = [ids for ids, _ in encoded]
     params = req.params(ingress.config.max_tokens_default, await _bias(ingress, name, req))
     if len(prompts) == 1:
-        return await _complete(ingress, name, req, prompts[0], params, tag)
+        return await _complete(ingress, name, req, encoded[0], params, tag)
     if req.stream or req.id_slot >= 0:
         raise InvalidRequestError("several prompts are answered unstreamed, on any slot", "prompt")
     if any(not ids for ids in prompts):
         raise InvalidRequestError("prompt must not be empty", "prompt")
-    starts = [partial(ingress.generate, name, ids, params, req.stop_strings) for ids in prompts]
+    starts = [
+        partial(ingress.generate, name, ids, params, req.stop_strings, images=images)
+        for ids, images in encoded
+    ]
     gens = await run_all(starts, tag)
     return [
         _result(ingress, name, req, gen, ids, 0) for gen, ids in zip(gens, prompts, strict=True)
@@ -54,19 +62,27 @@ async def infill(req: LlamaInfillRequest, ingress: IngressDep, tag: RequestTag):
     name = ingress.default_model(req.model)
     ids = fim_prompt(ingress.tokenizers[name], req.input_prefix, req.input_suffix, req.prompt, name)
     params = req.params(ingress.config.max_tokens_default, await _bias(ingress, name, req))
-    return await _complete(ingress, name, req, ids, params, tag)
+    return await _complete(ingress, name, req, (ids, ()), params, tag)
 
 
-async def _encode(ingress: Ingress, name: str, pieces: list[PromptPiece]) -> list[int]:
-    """A prompt's ids: texts encoded (only the first with the BOS a prompt starts with),
-    ids as they are."""
+async def _encode(
+    ingress: Ingress, name: str, pieces: list[PromptPiece | MediaPrompt]
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A prompt's ids and images: texts encoded (only the first with the BOS a prompt
+    starts with), a prompt object's media markers expanded into its images' tokens, ids
+    as they are."""
     ids: list[int] = []
+    images: list[ImageInput] = []
     for i, piece in enumerate(pieces):
         if isinstance(piece, int):
             ids.append(piece)
+        elif isinstance(piece, MediaPrompt):
+            more, found = await encode_media_prompt(ingress, name, piece, i == 0, len(ids))
+            ids += more
+            images += found
         elif piece:
             ids += await ingress.encode(name, piece, i == 0)
-    return ids
+    return ids, tuple(images)
 
 
 async def _bias(ingress: Ingress, name: str, req: LlamaCompletionRequest) -> dict[int, float]:
@@ -96,19 +112,22 @@ async def _complete(
     ingress: Ingress,
     name: str,
     req: LlamaCompletionRequest,
-    ids: list[int],
+    encoded: tuple[list[int], tuple[ImageInput, ...]],
     params: SamplingParams,
     tag: str,
 ):  # noqa: ANN202
+    ids, images = encoded
     if not ids:
         raise InvalidRequestError("prompt must not be empty", "prompt")
     check_slot(ingress, name, req.id_slot, allow_any=True)
     stop = req.stop_strings  # checked before the slot is touched
     context, new_ids = None, ids
     if req.id_slot >= 0 and req.cache_prompt:
+        if images:  # a slot's context holds tokens, not images (the prefix cache does)
+            raise InvalidRequestError("a prompt with images runs on no slot: id_slot -1", "id_slot")
         new_ids = await _slot_context(ingress, name, req.id_slot, ids)
         context = slot_op(req.id_slot, ContextAction.GENERATE)
-    gen = await ingress.generate(name, new_ids, params, stop, tag, context, ids)
+    gen = await ingress.generate(name, new_ids, params, stop, tag, context, ids, images=images)
     held = len(ids) - len(new_ids)
     if not req.stream:
         await gen.drain()

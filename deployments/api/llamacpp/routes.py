@@ -20,6 +20,7 @@ from deployments.api.llamacpp.schema import (
     SlotFileRequest,
     TokenizeRequest,
 )
+from deployments.api.prompts import MEDIA_MARKER
 from deployments.api.slots import check_slot, slot_op
 from deployments.http.caller import caller_of
 from deployments.http.host_detail import without_host_detail
@@ -116,6 +117,7 @@ async def props(ingress: IngressDep, request: Request, model: str | None = None)
         "bos_token": tokenizer.bos_token or "",
         "eos_token": tokenizer.eos_token or "",
         "modalities": {"vision": info.reads_images, "audio": False},
+        "media_marker": MEDIA_MARKER,  # where a prompt object's multimodal_data goes
     }
 
 

@@ -16,7 +16,7 @@ from app.protocol.sampling import (
     sampling_params,
 )
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
-from deployments.api.prompts import prompt_object_text
+from deployments.api.prompts import MediaPrompt, prompt_object
 
 
 class TokenizeRequest(BaseModel):
@@ -47,9 +47,11 @@ PromptPiece = int | str
 MAX_PROMPTS = 64
 
 
-def _pieces(prompt: PromptPiece | list[PromptPiece] | dict[str, Any]) -> list[PromptPiece]:
+def _pieces(
+    prompt: PromptPiece | list[PromptPiece] | dict[str, Any],
+) -> list[PromptPiece | MediaPrompt]:
     if isinstance(prompt, dict):
-        return [prompt_object_text(prompt, "prompt")]
+        return [prompt_object(prompt, "prompt")]
     return [prompt] if isinstance(prompt, str | int) else list(prompt)
 
 
@@ -87,11 +89,11 @@ class LlamaCompletionRequest(BaseModel):
     return_progress: bool = False  # a prompt_progress event before the first token
     timings_per_token: bool = False  # timings in every streamed event
 
-    def prompts(self) -> list[list[PromptPiece]]:
+    def prompts(self) -> list[list[PromptPiece | MediaPrompt]]:
         """The prompts, each as pieces, read as llama.cpp reads them: a string, a JSON
-        prompt object or a flat list of ids and texts is one prompt; a list whose items
-        are strings, objects or lists is several (each a string, ids, or ids mixed with
-        texts)."""
+        prompt object (with media or not) or a flat list of ids and texts is one prompt;
+        a list whose items are strings, objects or lists is several (each a string, ids,
+        or ids mixed with texts)."""
         p = self.prompt
         if isinstance(p, str | dict):
             p = [p]

@@ -14,7 +14,7 @@ from app.text.tool_stream import CallFragment, ToolCallStream, whole_output
 from deployments.api.openai.routes import WIRE, response_head, token_text, usage_of
 from deployments.api.openai.schema import ChatCompletionRequest, sampling_params
 from deployments.api.slots import check_slot
-from deployments.http.chat_turn import ChatTurn, start
+from deployments.http.chat_turn import ChatTurn, prepare, start
 from deployments.http.generation import Generation, OutputState, TextDelta
 from deployments.http.streaming import stream
 from deployments.ingress import Ingress, IngressDep, RequestTag
@@ -34,11 +34,17 @@ async def apply_template(req: ChatCompletionRequest, ingress: IngressDep) -> dic
     return {"prompt": prompt}
 
 
-async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+async def input_tokens(req: ChatCompletionRequest, ingress: IngressDep) -> dict:
+    """llama-server's count of the prompt tokens a chat request would take, images
+    included, without running it."""
+    prepared = await prepare(ingress, _turn(ingress, req))
+    return {"input_tokens": len(prepared.prompt_ids), "object": "response.input_tokens"}
+
+
+def _turn(ingress: Ingress, req: ChatCompletionRequest) -> ChatTurn:
     req.model = ingress.served_name(req.model)
-    check_slot(ingress, req.model, req.id_slot, allow_any=True)
     num_lp = (req.top_logprobs or 0) if req.logprobs else None
-    turn = ChatTurn(
+    return ChatTurn(
         req.model,
         req.template_messages(),
         sampling_params(req, ingress.config.max_tokens_default, num_lp),
@@ -48,6 +54,11 @@ async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag)
         ending=req.prompt_ending,
         stop_strings=req.stop_strings,
     )
+
+
+async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
+    turn = _turn(ingress, req)
+    check_slot(ingress, req.model, req.id_slot, allow_any=True)
     gen, prepared = await start(ingress, turn, tag)
     fmt = prepared.tool_format
     if req.stream:
@@ -72,6 +83,7 @@ async def chat(req: ChatCompletionRequest, ingress: IngressDep, tag: RequestTag)
 
 for _prefix in ("/v1", ""):
     router.add_api_route(f"{_prefix}/chat/completions", chat, methods=["POST"])
+    router.add_api_route(f"{_prefix}/chat/completions/input_tokens", input_tokens, methods=["POST"])
 
 
 def _chat_logprobs(ingress: Ingress, model: str, lps: list) -> list[dict]:

@@ -61,7 +61,8 @@ async def _capabilities(ingress: Ingress, name: str) -> list[str]:
         vision = (await ingress.info(name)).reads_images  # asked once, then kept
     except Exception:  # a replica that cannot answer now does not fail the listing
         vision = False
-    return ["completion", *(["vision"] if vision else [])]
+    # "multimodal" is llama.cpp's word for it (its web UI reads it), "vision" Ollama's.
+    return ["completion", *(["vision", "multimodal"] if vision else [])]
 
 
 def _entry(name: str, capabilities: list[str]) -> dict:

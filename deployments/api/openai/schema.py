@@ -23,7 +23,7 @@ from app.protocol.sampling import (
     SamplingParams,
 )
 from app.protocol.sampling import sampling_params as build_sampling_params
-from app.text.images import data_url_bytes
+from app.text.images import image_url_part
 from app.text.stop import MAX_STOP_STRINGS, check_stop_strings
 from deployments.api.prompts import prompt_object_text
 from deployments.api.structured import StructuredFields, ToolFields, drop_inert
@@ -105,14 +105,14 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")  # audio parts and the like: refused by type
     type: str
     text: str | None = None
-    image_url: dict[str, Any] | None = None  # {"url": a data URL, "detail": ...}
+    image_url: dict[str, Any] | None = None  # {"url": a data or http(s) URL, "detail": ...}
 
     def image(self) -> dict[str, Any]:
         """An image_url part as the chat turn takes images."""
         url = (self.image_url or {}).get("url")
         if not isinstance(url, str):
             raise InvalidRequestError("an image_url part needs image_url.url", "messages")
-        return {"type": "image", "image": data_url_bytes(url, "messages")}
+        return image_url_part(url, "messages")
 
 
 class ToolCallFunction(BaseModel):

@@ -70,7 +70,9 @@ async def search_turn(
         hybrid=ranking is None or ranking.ranker != "none",
         filters=tool.filters,
     )
-    message["content"] = with_excerpts(found, query)
+    text, content = with_excerpts(found, query), message["content"]
+    images = [] if isinstance(content, str) else [p for p in content if p.get("type") == "image"]
+    message["content"] = [{"type": "text", "text": text}, *images] if images else text
     results = None
     if RESULTS_INCLUDE in (include or []):
         results = [

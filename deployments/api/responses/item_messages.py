@@ -17,6 +17,7 @@ from typing import Any
 
 from app.protocol.errors import InvalidRequestError
 from deployments.api.responses.items import (
+    TEXT_PARTS,
     FunctionCallItem,
     InputItem,
     ReasoningItem,
@@ -154,13 +155,16 @@ def listed_item(response_id: str, index: int, item: dict[str, Any]) -> dict[str,
         listed.setdefault("summary", [])
     if kind == "message":
         content = item["content"]
-        texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if item["role"] == "assistant":
             listed["content"] = [
-                {"type": "output_text", "text": t, "annotations": []} for t in texts
+                {"type": "output_text", "text": p["text"], "annotations": []} for p in parts
             ]
-        else:
-            listed["content"] = [{"type": "input_text", "text": t} for t in texts]
+        else:  # images as they were given
+            listed["content"] = [
+                {"type": "input_text", "text": p["text"]} if p["type"] in TEXT_PARTS else p
+                for p in parts
+            ]
     return listed
 
 

@@ -1,5 +1,5 @@
-"""The Responses API's input items, strictly: messages (text parts only), function calls
-and their outputs, and reasoning items, each with exactly the fields OpenAI gives it.
+"""The Responses API's input items, strictly: messages (text and image parts), function
+calls and their outputs, and reasoning items, each with exactly the fields OpenAI gives it.
 
 An unknown field or item type is a 400 that names it, and the number of items and of
 parts is bounded: memory, not only JSON length, is what a request pins while it runs
@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.protocol.errors import InvalidRequestError
+from app.text.images import image_url_part
 
 NOT_SUPPORTED = "is not supported by this server"
 MAX_INPUT_ITEMS = 2_048  # a conversation's turns, well past what a context window holds
@@ -56,31 +57,70 @@ class TextPart(Strict):
     logprobs: list[Logprob] | None = Field(None, max_length=4096)
 
 
-def _text_parts(value: Any) -> Any:
-    """Text parts only: another kind of part is named in the 400."""
-    if isinstance(value, list):
-        for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in TEXT_PARTS:
-                raise ValueError(f"content parts of type {kind!r} {NOT_SUPPORTED}")
-    return value
+class ImagePart(Strict):
+    """An image in a message: by URL (a data URL, or http(s), which the ingress fetches
+    where the config allows). By file_id (the Files API) is not served."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data URL's size is bounded by the request's
+    file_id: str | None = Field(None, max_length=256)
+    detail: Literal["low", "high", "auto", "original"] | None = None
+
+    def chat_part(self) -> dict[str, Any]:
+        if self.image_url is None:
+            raise InvalidRequestError(
+                f"input_image by file_id {NOT_SUPPORTED}: send image_url (a data URL or "
+                "an http(s) URL)",
+                "input",
+            )
+        return image_url_part(self.image_url, "input")
+
+
+def _parts_of(kinds: tuple[str, ...]) -> Any:
+    def check(value: Any) -> Any:
+        """Parts of `kinds` only: another kind of part is named in the 400."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in kinds:
+                    raise ValueError(f"content parts of type {kind!r} {NOT_SUPPORTED}")
+        return value
+
+    return check
+
+
+_text_parts = _parts_of(TEXT_PARTS)
 
 
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+    content: (
+        str
+        | Annotated[
+            list[Annotated[TextPart | ImagePart, Field(discriminator="type")]],
+            Field(max_length=MAX_PARTS),
+        ]
+    )
     id: str | None = Field(None, max_length=128)
     status: Status | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
-    _parts = field_validator("content", mode="before")(_text_parts)
+    _parts = field_validator("content", mode="before")(_parts_of((*TEXT_PARTS, "input_image")))
 
     def message(self) -> dict[str, Any]:
-        text = self.content
-        if not isinstance(text, str):
-            text = "".join(part.text for part in text)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """The chat turn's message: its text, or its parts where it holds images."""
+        role = "system" if self.role == "developer" else self.role
+        content = self.content
+        if isinstance(content, str):
+            return {"role": role, "content": content}
+        if not any(isinstance(part, ImagePart) for part in content):
+            return {"role": role, "content": "".join(p.text for p in content)}  # type: ignore[union-attr]
+        parts = [
+            p.chat_part() if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+            for p in content
+        ]
+        return {"role": role, "content": parts}
 
 
 class FunctionCallItem(Strict):

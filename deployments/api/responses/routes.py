@@ -23,7 +23,6 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
 from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.sampling import SamplingParams
-from app.text.reasoning import ReasoningFormat
 from deployments.api.responses import conversation_store
 from deployments.api.responses.conversation_store import ConversationStore, Joined
 from deployments.api.responses.events import error_event, response_events
@@ -34,7 +33,7 @@ from deployments.api.responses.store import Entry, ResponseStore
 from deployments.api.responses.turn import Turn, output_items
 from deployments.api.warm_context import free, generate_in_context
 from deployments.http.caller import Caller, caller_of
-from deployments.http.chat_turn import ChatTurn, prepare
+from deployments.http.chat_turn import ChatTurn, PreparedTurn, prepare
 from deployments.http.generation import Generation
 from deployments.http.streaming import stream, typed_sse
 from deployments.ingress import Ingress, IngressDep, RequestTag
@@ -115,7 +114,7 @@ async def create(
     cid = context_id(chain) if req.store else None
     if joined is not None:  # the conversation's context, whatever becomes of the response
         cid = conversation_store.context_id(joined.id)
-    gen, reused = await _start(ingress, name, ids, params, tag, cid, prepared.reasoning)
+    gen, reused = await _start(ingress, name, ids, params, tag, cid, prepared)
     made = int(time.time())
     turn = Turn(
         rid, name, req, made, chain, len(ids), reused, new_messages, fmt, who.key_id, joined
@@ -151,13 +150,16 @@ async def _start(
     params: SamplingParams,
     tag: str,
     cid: str | None,
-    reasoning: ReasoningFormat | None,
+    prepared: PreparedTurn,
 ) -> tuple[Generation, int]:
     """The turn's generation, and how many prompt tokens its chain's context held. A
     stored turn extends the chain's context; a turn nobody can continue (`store: false`)
     leaves it as it was. While another turn of the chain holds the context (a parallel
-    branch from the same response), this one runs without it: same reply, no reuse."""
-    if cid is not None:
+    branch from the same response), this one runs without it: same reply, no reuse. So
+    does a turn whose prompt holds images (a context keeps tokens, not images; the
+    prefix cache still finds the image's KV)."""
+    reasoning, images = prepared.reasoning, prepared.images
+    if cid is not None and not images:
         try:
             return await generate_in_context(
                 ingress, model, cid, ids, params, tag, CHAIN_BUSY_PAUSES_S, reasoning
@@ -166,7 +168,9 @@ async def _start(
             if exc.status_code != 409:
                 raise
             logger.info("context %s is busy: this turn runs without it", cid)
-    return await ingress.generate(model, ids, params, [], tag, reasoning=reasoning), 0
+    return await ingress.generate(
+        model, ids, params, [], tag, reasoning=reasoning, images=images
+    ), 0
 
 
 @router.get("/responses/{response_id}")

@@ -1,8 +1,10 @@
-"""Where a download may connect: the SSRF guard under every HTTP request the operator makes.
+"""Where the server may connect: the SSRF guard under every HTTP request it makes for a
+client (the operator's downloads, image URLs).
 
 The rule is checked on each TCP connection, not on the URL, so redirects and DNS tricks
 meet it too:
-- the host must be the configured hub or one of its storage hosts (an allow list);
+- for downloads, the host must be the configured hub or one of its storage hosts (an
+  allow list); image URLs may name any host;
 - the host is resolved once, here, and every address it resolves to must be public
   (no private, loopback, link-local, multicast, reserved or unspecified address, IPv4
   mapped into IPv6 included) unless the host is listed in `private_hosts`;
@@ -14,7 +16,8 @@ meet it too:
   refused. The one exception is a hub endpoint configured as http:// (a mirror inside
   the cluster, the tests' local hub): its own origin (scheme, host and port) keeps http,
   since whoever configured it chose that; a redirect from it to any other origin,
-  storage hosts included, must still be https.
+  storage hosts included, must still be https. Image URLs may be plain http anywhere
+  (as other servers fetch them): only their addresses are checked.
 
 `guarded_client()` is an httpx2 client (huggingface_hub's HTTP library) with this guard
 as its network backend and no proxies from the environment.
@@ -50,19 +53,23 @@ def is_public(address: str) -> bool:
 
 
 class HostPolicy:
-    """Which hosts a download may reach, and the one address it connects to for each."""
+    """Which hosts a request may reach, and the one address it connects to for each.
+    `allowed_hosts` None: any host; `plain_http` holds "host:port" origins kept on http,
+    or "*" for every origin; `what` names the requests in refusals."""
 
     def __init__(
         self,
-        allowed_hosts: Iterable[str],
+        allowed_hosts: Iterable[str] | None,
         private_hosts: Iterable[str] = (),
         resolver: Resolver = system_resolver,
         plain_http: Iterable[str] = (),
+        what: str = "downloads",
     ) -> None:
-        self.allowed = {h.lower().rstrip(".") for h in allowed_hosts}
-        self.private = {h.lower().rstrip(".") for h in private_hosts}
+        self.allowed = None if allowed_hosts is None else {_name(h) for h in allowed_hosts}
+        self.private = {_name(h) for h in private_hosts}
         self.resolver = resolver
-        self.plain_http = {o.lower() for o in plain_http}  # "host:port" origins kept on http
+        self.plain_http = {o.lower() for o in plain_http}
+        self.what = what
 
     @classmethod
     def for_hub(
@@ -77,24 +84,35 @@ class HostPolicy:
         plain = [f"{hub}:{parts.port or 80}"] if parts.scheme == "http" else []
         return cls([hub, *storage_hosts], private_hosts, resolver, plain)
 
+    @classmethod
+    def for_images(
+        cls, private_hosts: Iterable[str] = (), resolver: Resolver = system_resolver
+    ) -> "HostPolicy":
+        return cls(None, private_hosts, resolver, ["*"], "image URLs")
+
+    def _check_host(self, host: str) -> None:
+        if self.allowed is not None and host not in self.allowed:
+            raise TargetRefusedError(f"{self.what} may not reach {host!r}: not the configured hub")
+
     def check_request(self, request: httpx2.Request) -> None:
         """Before each request, redirects included: https, or the http hub's own origin."""
         url = request.url
-        host = (url.host or "").lower().rstrip(".")
-        if host not in self.allowed:
-            raise TargetRefusedError(f"downloads may not reach {host!r}: not the configured hub")
-        if url.scheme == "https" or f"{host}:{url.port or 80}" in self.plain_http:
+        host = _name(url.host or "")
+        self._check_host(host)
+        plain_ok = self.plain_http & {"*", f"{host}:{url.port or 80}"}
+        if url.scheme == "https" or (url.scheme == "http" and plain_ok):
             return
+        if url.scheme != "http":
+            raise TargetRefusedError(f"{self.what} may not use {url.scheme}:// ({host})")
         raise TargetRefusedError(
-            f"downloads may not use plain http ({url.scheme}://{host}): only https, but for "
-            "a hub endpoint configured as http://"
+            f"{self.what} may not use plain http ({url.scheme}://{host}): only https, but "
+            "for a hub endpoint configured as http://"
         )
 
     def address(self, host: str, port: int) -> str:
         """The checked address to connect to for `host`; TargetRefusedError otherwise."""
-        name = host.lower().rstrip(".").strip("[]")
-        if name not in self.allowed:
-            raise TargetRefusedError(f"downloads may not reach {host!r}: not the configured hub")
+        name = _name(host).strip("[]")
+        self._check_host(name)
         try:
             addresses = self.resolver(name, port)
         except OSError as exc:
@@ -108,6 +126,10 @@ class HostPolicy:
                     f"{host!r} resolves to a non-public address ({bad[0]}): refused"
                 )
         return addresses[0]
+
+
+def _name(host: str) -> str:
+    return host.lower().rstrip(".")
 
 
 class GuardedBackend(httpcore2.SyncBackend):
