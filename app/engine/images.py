@@ -30,6 +30,7 @@ class SeqImage:
     end: int
     positions: np.ndarray  # those that take the encoder's rows, in order
     pixels: dict[str, Any]
+    both_ways: bool = False  # its tokens see each other both ways (Gemma 3's)
     rows: torch.Tensor | None = None  # the encoder's output while the span is computed
 
 
@@ -39,7 +40,10 @@ def attach(tokens: list[int], images: Seq[ImageInput], vision: Any, vocab: int) 
     if not images:
         return []
     if vision is None:
-        raise InvalidRequestError("this model does not read images: send text only", "messages")
+        raise InvalidRequestError(
+            "image input is not supported: this model does not read images; send text only",
+            "messages",
+        )
     attached: list[SeqImage] = []
     end = 0
     for image in sorted(images, key=lambda i: i.offset):
@@ -60,7 +64,8 @@ def attach(tokens: list[int], images: Seq[ImageInput], vision: Any, vocab: int) 
         pseudo = vocab + image.content_hash % PSEUDO_IDS
         for p in positions.tolist():
             tokens[p] = pseudo
-        attached.append(SeqImage(start, end, positions, image.pixels))
+        both_ways = bool(getattr(vision, "bidirectional", False))
+        attached.append(SeqImage(start, end, positions, image.pixels, both_ways))
     return attached
 
 
@@ -106,6 +111,19 @@ def step_rows(
     if not rows:
         return None
     return torch.cat(rows), torch.cat(values)
+
+
+def both_ways_spans(
+    seqs: Seq[Any], starts: Seq[int], counts: Seq[int]
+) -> tuple[tuple[int, int, int], ...]:
+    """(index in the step, start, end) of the images a step computes whose tokens see
+    each other both ways (BatchLayout.both_ways)."""
+    return tuple(
+        (i, image.start, image.end)
+        for i, (seq, start, n) in enumerate(zip(seqs, starts, counts, strict=True))
+        for image in seq.images
+        if image.both_ways and image.start < start + n and image.end > start
+    )
 
 
 def release_computed(seqs: Seq[Any]) -> None:

@@ -15,12 +15,12 @@ Invariants:
   sequence is in the step's `tables_changed` (then the row is written again).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from app.engine.images import step_rows
+from app.engine.images import both_ways_spans, step_rows
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import BatchLayout
@@ -83,6 +83,8 @@ class InputBatch:
         layout = (counts, lens, len(decodes))
         inputs = self._inputs(batch, input_ids, rows, token_rows, positions, layout, ends[due] - 1)
         inputs.images = step_rows(seqs, starts, counts)
+        if both_ways := both_ways_spans(seqs, starts, counts):
+            inputs.layout = replace(inputs.layout, both_ways=both_ways)
         return inputs, [seqs[i] for i in due]
 
     def _decode_step(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:

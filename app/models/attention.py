@@ -30,6 +30,10 @@ class BatchLayout:
     slot_mapping: torch.Tensor  # (T,) int64 on the CPU: block * block_size + offset
     num_decodes: int
     block_size: int
+    # (sequence, start, end): spans of positions whose queries see each other both ways
+    # (Gemma 3's image tokens), each whole in its sequence's query tokens; only backends
+    # with `sees_both_ways` are given any.
+    both_ways: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.block_tables, list):
@@ -37,6 +41,10 @@ class BatchLayout:
             object.__setattr__(self, "block_tables", torch.tensor(padded, dtype=torch.int32))
         if isinstance(self.slot_mapping, list):
             object.__setattr__(self, "slot_mapping", torch.tensor(self.slot_mapping).long())
+
+    def both_ways_of(self, seq: int) -> tuple[tuple[int, int], ...]:
+        """The (start, end) spans of `both_ways` in sequence `seq`."""
+        return tuple((a, b) for i, a, b in self.both_ways if i == seq)
 
     def tables(self, lo: int, hi: int) -> torch.Tensor:
         """(hi - lo, nblk) int32: the block tables of sequences lo..hi, cut to the blocks
@@ -64,6 +72,7 @@ class DecodeInputs:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    sees_both_ways: bool = False  # honours BatchLayout.both_ways
 
     @abstractmethod
     def kv_cache_shape(
@@ -90,8 +99,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write k and v into the cache, then attend; returns (T, nh, hd).
 
-        A query at position p sees the cached keys j <= p; with `window` > 0 only those
-        with p - j < window (sliding-window attention; 0: no limit). With `softcap` > 0,
+        A query at position p sees the cached keys j <= p, and those of a `both_ways`
+        span it is in; with `window` > 0 only those with p - j < window (sliding-window
+        attention; 0: no limit). With `softcap` > 0,
         scores (already scaled) become softcap * tanh(score / softcap) before masking and
         softmax (Gemma 2's logit capping; 0: off). One metadata object serves every layer
         of a forward whatever its window, so window-dependent state is built on demand.

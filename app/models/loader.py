@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from app.models.arch import ArchConfig
 from app.models.attention import AttentionBackend
@@ -123,8 +124,24 @@ def load_model(
         quantized_bytes(model) / 1e6,
         device,
     )
-    vision = load_vision(source, load_hf_config(source), dtype, device) if tp.rank == 0 else None
+    vision = _vision(source, backend, dtype, device) if tp.rank == 0 else None
     return LoadedModel(model, arch, source, max_positions, dtype, vision)
+
+
+def _vision(
+    source: ModelSource, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+) -> nn.Module | None:
+    """The checkpoint's image encoder, where the attention backend can serve its images."""
+    vision = load_vision(source, load_hf_config(source), dtype, device)
+    if getattr(vision, "bidirectional", False) and not backend.sees_both_ways:
+        logger.warning(
+            "%s: its images need attention that sees an image's tokens both ways, which the "
+            "%s backend does not: serving text only (attention_backend: torch reads images)",
+            source.name,
+            backend.name,
+        )
+        return None
+    return vision
 
 
 def random_model(

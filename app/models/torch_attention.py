@@ -28,11 +28,16 @@ class KernelBatch:
     starts: torch.Tensor | None = None  # (S + 1,) int32 query offsets, prefills only
 
 
-def visible_keys(q_pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
-    """(len(q_pos), length) bool: key j is visible to a query at position p iff j <= p
-    and, with a window, p - j < window."""
+def visible_keys(
+    q_pos: torch.Tensor, length: int, window: int, both_ways: tuple[tuple[int, int], ...] = ()
+) -> torch.Tensor:
+    """(len(q_pos), length) bool: key j is visible to a query at position p iff j <= p or
+    both are in one `both_ways` span [start, end), and, with a window, p - j < window."""
     j = torch.arange(length, device=q_pos.device)[None, :]
     seen = j <= q_pos[:, None]
+    for start, end in both_ways:
+        inside = (q_pos >= start) & (q_pos < end)
+        seen |= inside[:, None] & (j >= start) & (j < end)
     if window > 0:
         seen &= j > q_pos[:, None] - window
     return seen
@@ -45,6 +50,7 @@ class PrefillSpan:
     context_len: int
     gather_index: torch.Tensor | None  # (nkv, nblk) rows of the cache; None: no cached prefix
     device: torch.device
+    both_ways: tuple[tuple[int, int], ...] = ()  # (start, end) positions: see BatchLayout
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window
 
     def mask(self, window: int) -> torch.Tensor:
@@ -52,7 +58,7 @@ class PrefillSpan:
         if window not in self.masks:
             ctx = self.context_len
             q_pos = torch.arange(ctx - (self.end - self.start), ctx, device=self.device)
-            self.masks[window] = visible_keys(q_pos, ctx, window)
+            self.masks[window] = visible_keys(q_pos, ctx, window, self.both_ways)
         return self.masks[window]
 
 
@@ -81,13 +87,13 @@ class TorchAttentionMetadata:
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+    sees_both_ways = True  # such a step's prefills take the masked torch path
 
     def __init__(self, device: torch.device) -> None:
         # With the kernels, prefill queries too attend one token at a time through the
         # decode kernel: a token's attention is then the same bits whether it came in a
-        # prompt, a prefill chunk after a cached prefix or a decode (the loader sets it
-        # for quantized models, whose int8 activations turn any difference into a
-        # visible one).
+        # prompt, a prefill chunk after a cached prefix or a decode (the loader sets it for
+        # quantized models, whose int8 activations turn any difference into a visible one).
         self.token_by_token = False
         self.kernels = None
         if device.type == "cpu":
@@ -119,7 +125,8 @@ class TorchPagedAttention(AttentionBackend):
         if self.kernels is None:
             meta.slot_blocks, meta.slot_offsets = (slots // bs).to(device), (slots % bs).to(device)
         d, total = layout.num_decodes, len(layout.query_lens)
-        if self.kernels is not None and self.token_by_token and total > d:
+        masked = bool(layout.both_ways)  # the C++ kernels' masks are causal only
+        if self.kernels is not None and self.token_by_token and total > d and not masked:
             meta.kernel_decode = self._token_batch(layout)
             meta.num_decodes = len(layout.slot_mapping)
             return meta
@@ -129,7 +136,7 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 self._torch_decode(meta, layout, num_kv_heads, device)
         if total > d:
-            if self.has_prefill_kernel:
+            if self.has_prefill_kernel and not masked:
                 meta.kernel_prefill = self._kernel_batch(layout, d, total, with_starts=True)
             else:
                 meta.prefills = self._torch_prefills(layout, num_kv_heads, device)
@@ -194,7 +201,8 @@ class TorchPagedAttention(AttentionBackend):
             if ctx > q_len:
                 table = layout.block_tables[i, : (ctx + bs - 1) // bs].long()
                 index = (table[None, :] * nkv + torch.arange(nkv)[:, None]).to(device)
-            spans.append(PrefillSpan(start, start + q_len, ctx, index, device))
+            both = layout.both_ways_of(i)
+            spans.append(PrefillSpan(start, start + q_len, ctx, index, device, both))
             start += q_len
         return spans
 
@@ -291,7 +299,7 @@ class TorchPagedAttention(AttentionBackend):
             vs = v[span.start : span.end].transpose(0, 1)
             if k_cache.dtype != q.dtype:  # rounded as the cache holds them, as later reads
                 ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
-            if window == 0 and softcap == 0:
+            if window == 0 and softcap == 0 and not span.both_ways:
                 out = F.scaled_dot_product_attention(
                     qs[None], ks[None], vs[None], is_causal=True, scale=scale, enable_gqa=True
                 )

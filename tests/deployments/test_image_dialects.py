@@ -18,7 +18,7 @@ from tests.deployments.test_openai_images import VLM, data_url, picture
 from tests.helpers import tiny_engine
 from tests.image_host import image_host
 from tests.local_app import MODEL, http_client, local_app, run
-from tests.models.vision_checkpoints import save_idefics3_checkpoint
+from tests.models.vision_checkpoints import save_gemma3_vision_checkpoint, save_idefics3_checkpoint
 
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -228,3 +228,39 @@ def test_a_text_model_says_image_input_is_not_supported(smollm2_engine):
 
 def _image_url(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_gemma3_reads_images_through_the_openai_route(tmp_path):
+    """Gemma 3's processor and template behind the chat route: transformers' reply."""
+    from tests.models.test_vision_gemma3 import transformers_run
+
+    checkpoint = save_gemma3_vision_checkpoint(tmp_path)
+    image = picture(14, (48, 64))
+    parts = [{"type": "text", "text": "Describe"}, _image_url(data_url(image))]
+
+    async def go(app):  # noqa: ANN001, ANN202
+        async with http_client(app) as http:
+            reply = await openai_client(http).chat.completions.create(
+                model=VLM,
+                messages=[{"role": "user", "content": parts}],
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            listed = (await http.get("/v1/models")).json()["models"]
+        return reply, listed
+
+    engine = tiny_engine(checkpoint, num_kv_blocks=128)
+    with local_app(vlm_config(checkpoint), engine) as (app, _):
+        reply, listed = run(go(app))
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": [parts[0], {"type": "image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    ids, expected = transformers_run(checkpoint, text, [image])
+    assert reply.choices[0].message.content == processor.tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+    assert reply.usage.prompt_tokens == len(ids)
+    assert "vision" in listed[0]["capabilities"]

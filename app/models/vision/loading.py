@@ -9,30 +9,34 @@ import torch
 from torch import nn
 
 from app.models.source import ModelSource
-from app.models.vision import idefics3
+from app.models.vision import gemma3, idefics3
 from app.protocol.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
+ENCODERS: dict[str, type[nn.Module]] = {
+    **dict.fromkeys(idefics3.ARCHITECTURES, idefics3.Idefics3Vision),
+    **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Vision),
+}
 
 
 def load_vision(
     source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device
 ) -> nn.Module | None:
-    """The checkpoint's encoder, or None for a text model (and for a multimodal one whose
-    images we do not read: Gemma 3's for now, and any GGUF file)."""
-    archs = set(getattr(hf_config, "architectures", None) or [])
-    if not archs & set(idefics3.ARCHITECTURES) or source.is_gguf:
+    """The checkpoint's encoder, or None for a text model (and for any GGUF file: an
+    mmproj file is not read yet)."""
+    archs = [a for a in getattr(hf_config, "architectures", None) or [] if a in ENCODERS]
+    if not archs or source.is_gguf:
         return None
     from app.models.weights import iter_safetensors
 
     with torch.device("meta"):
-        vision = idefics3.Idefics3Vision(hf_config)
+        vision = ENCODERS[archs[0]](hf_config)
     vision = vision.to_empty(device=device)
     expected = set(vision.state_dict())
+    ours = {alias: name for name in expected for alias in _aliases(name)}
     state = {}
-    wanted = {f"model.{name}" for name in expected}
-    for name, tensor in iter_safetensors(source, wanted.__contains__):  # not the decoder's
-        state[name.removeprefix("model.")] = tensor
+    for name, tensor in iter_safetensors(source, ours.__contains__):  # not the decoder's
+        state[ours[name]] = tensor
     missing = expected - set(state)
     if missing:
         shown = ", ".join(sorted(missing)[:5])
@@ -40,6 +44,16 @@ def load_vision(
     vision.load_state_dict(state)
     logger.info("%s: image encoder of %.0fM parameters", source.name, _params(vision) / 1e6)
     return vision.to(dtype).eval().requires_grad_(False)
+
+
+def _aliases(name: str) -> set[str]:
+    """The names checkpoints give an encoder weight: at the top or under `model.`, and
+    a SigLIP tower's with or without its inner `vision_model.` (Gemma 3's hub files have
+    it; transformers 5 writes them without)."""
+    names = {name}
+    if name.startswith("vision_tower.vision_model."):
+        names.add(name.replace("vision_tower.vision_model.", "vision_tower.", 1))
+    return names | {f"model.{n}" for n in names}
 
 
 def _params(module: nn.Module) -> int:

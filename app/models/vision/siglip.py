@@ -1,6 +1,7 @@
-"""The SigLIP vision transformer, as Idefics3 (SmolVLM) varies it: patches of any grid up
-to the trained one (NaViT's "Patch n' Pack"), each given the position of its fractional
-place in the image, padded patches masked out of attention as keys."""
+"""The SigLIP vision transformer: over the trained grid of patches (Gemma 3's), or as
+Idefics3 (SmolVLM) varies it: patches of any grid up to the trained one (NaViT's "Patch
+n' Pack"), each given the position of its fractional place in the image, padded patches
+masked out of attention as keys."""
 
 from typing import Any
 
@@ -64,10 +65,13 @@ class SiglipEmbeddings(nn.Module):
         )
         self.position_embedding = nn.Embedding(self.per_side**2, config.hidden_size)
 
-    def forward(self, pixels: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
-        """pixels (B, C, H, W); patch_mask (B, H/p, W/p), True where a patch is image."""
+    def forward(self, pixels: torch.Tensor, patch_mask: torch.Tensor | None) -> torch.Tensor:
+        """pixels (B, C, H, W); patch_mask (B, H/p, W/p), True where a patch is image, or
+        None: the trained grid, whole, each patch at its place in the table."""
         b = pixels.shape[0]
         x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        if patch_mask is None:
+            return x + self.position_embedding.weight[: x.shape[1]]
         # A patch's position is the bucket of its fractional coordinates among the trained
         # grid's, so a smaller image spreads over the whole table rather than its corner.
         device = patch_mask.device
@@ -97,14 +101,18 @@ class SiglipVisionModel(nn.Module):
         )
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, pixels: torch.Tensor, pixel_mask: torch.Tensor) -> torch.Tensor:
-        """pixels (B, C, H, W) and pixel_mask (B, H, W): (B, patches, hidden)."""
-        p = self.embeddings.patch_size
-        grid = pixel_mask.unfold(1, p, p).unfold(2, p, p)
-        patch_mask = grid.sum(dim=(-1, -2)) > 0
-        x = self.embeddings(pixels, patch_mask)
-        keys = patch_mask.view(pixels.shape[0], 1, 1, -1)
-        mask = None if bool(keys.all()) else keys  # padded patches are no one's keys
+    def forward(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
+        """pixels (B, C, H, W) and pixel_mask (B, H, W), or None for images of the trained
+        size: (B, patches, hidden)."""
+        p, mask = self.embeddings.patch_size, None
+        if pixel_mask is None:
+            x = self.embeddings(pixels, None)
+        else:
+            grid = pixel_mask.unfold(1, p, p).unfold(2, p, p)
+            patch_mask = grid.sum(dim=(-1, -2)) > 0
+            x = self.embeddings(pixels, patch_mask)
+            keys = patch_mask.view(pixels.shape[0], 1, 1, -1)
+            mask = None if bool(keys.all()) else keys  # padded patches are no one's keys
         for layer in self.encoder.layers:
             x = layer(x, mask)
         return self.post_layernorm(x)
