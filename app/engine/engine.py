@@ -23,6 +23,7 @@ from app.engine.images import attach as attach_images
 from app.engine.images import encode_due, release_computed
 from app.engine.kv_tier import open_tier
 from app.engine.model_runner import load_runner
+from app.engine.mrope import rope_positions
 from app.engine.requests import RequestTable, delta
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledBatch, Scheduler
@@ -116,6 +117,7 @@ class LLMEngine:
                 seq = Sequence(request_id, tokens, params, 0, time.monotonic())
                 seq.matcher = matcher
                 seq.images = seq_images
+                seq.rope = rope_positions(len(tokens), seq_images, self.loaded.vision)
                 self.scheduler.add(seq)
             else:
                 seq = self.contexts.start(request_id, context, tokens, params)

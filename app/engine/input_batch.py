@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from app.engine.images import both_ways_spans, step_rows
+from app.engine.mrope import step_positions
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import BatchLayout
@@ -31,7 +32,7 @@ class StepInputs:
     """One forward pass, as every shard needs it: CPU tensors, small and picklable."""
 
     input_ids: torch.Tensor  # (T,) int64
-    positions: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, or (3, T) with 3-D rotary positions (mrope.py)
     layout: BatchLayout
     logits_rows: torch.Tensor  # (S',) int64: rows of the batch whose next token is sampled
     copies: list[tuple[int, int]]  # (src, dst) blocks to copy first (copy-on-write)
@@ -83,6 +84,8 @@ class InputBatch:
         layout = (counts, lens, len(decodes))
         inputs = self._inputs(batch, input_ids, rows, token_rows, positions, layout, ends[due] - 1)
         inputs.images = step_rows(seqs, starts, counts)
+        if (rope := step_positions(seqs, starts, counts, positions)) is not None:
+            inputs.positions = torch.from_numpy(np.ascontiguousarray(rope))
         if both_ways := both_ways_spans(seqs, starts, counts):
             inputs.layout = replace(inputs.layout, both_ways=both_ways)
         return inputs, [seqs[i] for i in due]
@@ -105,6 +108,8 @@ class InputBatch:
         inputs = self._inputs(batch, input_ids, rows, row_arr, pos_arr, layout, logits_rows)
         if any(seq.images for seq in seqs):  # a prompt's last token can be its image's
             inputs.images = step_rows(seqs, positions, [1] * len(seqs))
+            if (rope := step_positions(seqs, positions, [1] * len(seqs), pos_arr)) is not None:
+                inputs.positions = torch.from_numpy(np.ascontiguousarray(rope))
         return inputs, sampled
 
     def _inputs(

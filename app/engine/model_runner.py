@@ -211,7 +211,8 @@ class ModelRunner:
         self._bind_caches()
         if step.copies:
             self._copy_blocks(step.copies)
-        if self.decode_graphs is not None and step.images is None and self.decode_graphs.fits(step):
+        graphable = step.images is None and step.positions.dim() == 1
+        if self.decode_graphs is not None and graphable and self.decode_graphs.fits(step):
             return self.decode_graphs.run(step)
         metadata = self.backend.build_metadata(step.layout, self.num_kv_heads, self.device)
         images = None

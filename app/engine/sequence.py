@@ -52,6 +52,7 @@ class Sequence:
         self.context = None  # a contexts.ContextOp when this request runs on a context
         self.matcher = None  # llguidance's state of a constrained output (app.engine.grammar)
         self.images: list = []  # app.engine.images.SeqImage, by position
+        self.rope = None  # app.engine.mrope.RopePositions: 3-D positions (Qwen2.5-VL)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 
@@ -85,7 +86,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
-        child.images = self.images
+        child.images, child.rope = self.images, self.rope
         if self.matcher is not None:  # forks happen before the first token: same state
             child.matcher = self.matcher.deep_copy()
         return child

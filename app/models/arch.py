@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # "divisors": per-frequency divisors given outright (what GGUF files carry for llama3)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "divisors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "divisors", "mrope")
 
 
 @dataclass(frozen=True)

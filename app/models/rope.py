@@ -118,7 +118,16 @@ class RotaryEmbedding(torch.nn.Module):
             cos, sin = emb.cos(), emb.sin()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # M-RoPE (Qwen2.5-VL): which of the three positions each column's band takes.
+        bands = [i for i, n in enumerate(scaling.get("mrope_section") or ()) for _ in range(n)]
+        self.bands = torch.tensor(bands * 2, dtype=torch.long) if bands else None
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos and sin for these positions, (T, hd); once per forward pass."""
-        return self.cos[positions], self.sin[positions]
+        """float32 cos and sin for these positions, (T, hd); once per forward pass.
+        `positions` (3, T): M-RoPE's temporal, row and column positions."""
+        if positions.dim() == 1:
+            return self.cos[positions], self.sin[positions]
+        bands = self.bands.to(positions.device)
+        rows = positions[bands].T  # (T, hd): each column's position
+        columns = torch.arange(len(bands), device=positions.device)
+        return self.cos[rows, columns], self.sin[rows, columns]

@@ -14,8 +14,10 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ import numpy as np
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError
 from app.protocol.images import ImageInput
+from app.text.patch_processor import PROCESSOR_CLASSES, PatchProcessor
 
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")  # the only decoders Pillow tries
@@ -44,9 +47,20 @@ def load_processor(source: ModelSource) -> Any | None:
         for name in ("processor_config.json", "preprocessor_config.json")
     ):
         return None
+    if _processor_class(directory) in PROCESSOR_CLASSES:
+        return PatchProcessor(directory)
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(directory))
+
+
+def _processor_class(directory: Path) -> str | None:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (directory / name).is_file():
+            found = json.loads((directory / name).read_text()).get("processor_class")
+            if found:
+                return found
+    return None
 
 
 def placeholder(processor: Any) -> str:

@@ -18,7 +18,11 @@ from tests.deployments.test_openai_images import VLM, data_url, picture
 from tests.helpers import tiny_engine
 from tests.image_host import image_host
 from tests.local_app import MODEL, http_client, local_app, run
-from tests.models.vision_checkpoints import save_gemma3_vision_checkpoint, save_idefics3_checkpoint
+from tests.models.vision_checkpoints import (
+    save_gemma3_vision_checkpoint,
+    save_idefics3_checkpoint,
+    save_qwen2_5_vl_checkpoint,
+)
 
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -264,3 +268,35 @@ def test_gemma3_reads_images_through_the_openai_route(tmp_path):
     )
     assert reply.usage.prompt_tokens == len(ids)
     assert "vision" in listed[0]["capabilities"]
+
+
+def test_qwen2_5_vl_reads_images_through_the_openai_route(tmp_path):
+    """Qwen2.5-VL's image processor and template behind the chat route (without
+    transformers' processor class, which needs torchvision): transformers' reply."""
+    from app.models.source import resolve_model
+    from app.text.images import load_processor
+    from tests.models.test_vision_qwen2_5_vl import prompt, transformers_greedy
+
+    checkpoint = save_qwen2_5_vl_checkpoint(tmp_path)
+    image = picture(15, (60, 90))
+    parts = [{"type": "text", "text": "Describe"}, _image_url(data_url(image))]
+
+    async def go(app):  # noqa: ANN001, ANN202
+        async with http_client(app) as http:
+            return await openai_client(http).chat.completions.create(
+                model=VLM,
+                messages=[{"role": "user", "content": parts}],
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+
+    engine = tiny_engine(checkpoint, num_kv_blocks=128)
+    with local_app(vlm_config(checkpoint), engine) as (app, _):
+        reply = run(go(app))
+    processor = load_processor(resolve_model(str(checkpoint)))
+    ids, inputs = prompt(processor, ["Describe", None], [image])
+    expected = transformers_greedy(checkpoint, ids, inputs)
+    text = processor.tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == len(ids)

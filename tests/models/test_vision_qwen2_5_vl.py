@@ -1,0 +1,114 @@
+"""Qwen2.5-VL images against transformers in float32, on a tiny random checkpoint of its
+layout: the vision transformer's rows (windows, full-attention layers, 2-D rotary
+positions, the merger), and greedy output token for token with one and two images of
+different sizes between text, which needs the language model's 3-D rotary positions
+(images take fewer positions than tokens; the text after them and every generated token
+are shifted by what they saved)."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.models.source import resolve_model
+from app.protocol import SamplingParams
+from app.text.images import ImageLimits, encode_with_images, load_processor
+from tests.helpers import tiny_engine
+from tests.models.vision_checkpoints import save_qwen2_5_vl_checkpoint
+
+pytest.importorskip("PIL")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+def png(seed: int, size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def prompt(processor, parts: list, images: list[bytes]) -> tuple[list[int], list]:  # noqa: ANN001
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    messages = [{"role": "user", "content": content}]
+    text = processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    return encode_with_images(processor, text, images, ImageLimits())
+
+
+def transformers_greedy(checkpoint: Path, ids: list[int], inputs: list) -> list[int]:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([ids])
+    extra = {
+        "pixel_values": torch.cat([torch.as_tensor(i.pixels["pixel_values"]) for i in inputs]),
+        "image_grid_thw": torch.cat([torch.as_tensor(i.pixels["image_grid_thw"]) for i in inputs]),
+        "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
+    }
+    with torch.inference_mode():
+        out = model.eval().generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            **extra,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def ours(engine, ids: list[int], inputs: list, rid: str = "r") -> list[int]:  # noqa: ANN001
+    engine.add_request(rid, ids, GREEDY, images=inputs)
+    out: list[int] = []
+    while engine.has_work:
+        for delta in engine.step():
+            out += delta.token_ids
+    return out
+
+
+def test_encoder_rows_match_transformers(checkpoint):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    processor = load_processor(resolve_model(str(checkpoint)))
+    _, inputs = prompt(processor, ["a", None, "b", None], [png(1, (60, 90)), png(2, (90, 60))])
+    engine = tiny_engine(checkpoint)
+    rows = engine.loaded.vision([i.pixels for i in inputs])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    pixels = torch.cat([torch.as_tensor(i.pixels["pixel_values"]) for i in inputs])
+    grid = torch.cat([torch.as_tensor(i.pixels["image_grid_thw"]) for i in inputs])
+    with torch.inference_mode():
+        expected = model.eval().model.get_image_features(pixels, grid).pooler_output
+    assert [len(r) for r in rows] == [len(e) for e in expected] == [6, 6]
+    for got, want in zip(rows, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "parts, sizes",
+    [
+        (["Describe", None, "briefly."], [(60, 90)]),
+        (["Compare", None, "with", None], [(60, 90), (112, 56)]),
+        ([None, "What is it?"], [(84, 84)]),
+    ],
+    ids=["one-image", "two-images", "image-first"],
+)
+def test_images_between_text_match_transformers(checkpoint, parts, sizes):
+    processor = load_processor(resolve_model(str(checkpoint)))
+    images = [png(10 + i, size) for i, size in enumerate(sizes)]
+    ids, inputs = prompt(processor, parts, images)
+    engine = tiny_engine(checkpoint, num_kv_blocks=128)
+    expected = transformers_greedy(checkpoint, ids, inputs)
+    assert ours(engine, ids, inputs) == expected
+    assert ours(engine, ids, inputs, "again") == expected  # its KV from the prefix cache
