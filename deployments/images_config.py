@@ -23,6 +23,13 @@ class ImagesConfig(BaseModel):
         description="One image's width x height, read from its header before any pixel is "
         "decoded (so a decompression bomb never is); past it 400.",
     )
+    max_image_tokens: int = Field(
+        8192,
+        ge=1,
+        description="The prompt tokens a request's images take, all together, as the model's "
+        "processor sizes them (what the encoder computes, and the pixels that travel to the "
+        "replica: Qwen2.5-VL's are 5 KiB a token); past it 400.",
+    )
     allow_urls: bool = Field(
         False,
         description="Fetch http(s) image URLs (OpenAI image_url, Responses input_image, "
@@ -40,4 +47,6 @@ class ImagesConfig(BaseModel):
     )
 
     def limits(self) -> ImageLimits:
-        return ImageLimits(self.max_images, self.max_image_bytes, self.max_pixels)
+        return ImageLimits(
+            self.max_images, self.max_image_bytes, self.max_pixels, self.max_image_tokens
+        )

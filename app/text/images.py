@@ -37,6 +37,7 @@ class ImageLimits:
     max_images: int = 8  # a request's
     max_bytes: int = 20 * 2**20  # an image's, encoded
     max_pixels: int = 7680 * 4320  # an image's, width x height, read from its header
+    max_tokens: int = 8192  # a request's image placeholder tokens, all images together
 
 
 def load_processor(source: ModelSource) -> Any | None:
@@ -137,6 +138,12 @@ def encode_with_images(
         span = np.asarray(out["input_ids"]).reshape(-1)
         expansions.append(tokenizer.decode(span.tolist(), clean_up_tokenization_spaces=False))
         counts.append(int((span == token).sum()))
+        if sum(counts) > limits.max_tokens:  # before pixels pile up (Qwen's: 5 KiB a token)
+            raise InvalidRequestError(
+                f"the request's images take more than {limits.max_tokens} tokens: send fewer "
+                "or smaller images",
+                "messages",
+            )
         arrays = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
         if "pixel_attention_mask" in arrays:  # int64 from the processor: 8x the bytes
             arrays["pixel_attention_mask"] = arrays["pixel_attention_mask"].astype(bool)

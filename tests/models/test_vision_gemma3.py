@@ -123,3 +123,14 @@ def test_an_images_tokens_see_each_other_both_ways(checkpoint):
     tops = [dict(out.logprobs[0].top) for out in outs]
     shared = tops[0].keys() & tops[1].keys()
     assert max(abs(tops[0][t] - tops[1][t]) for t in shared) > 1e-2
+
+
+def test_a_text_that_writes_image_tokens_is_refused(checkpoint):
+    """Gemma 3's placeholder (<start_of_image>) is not its image token: a text holding
+    the image token itself would shift every image's span; it is a 400."""
+    from app.protocol.errors import InvalidRequestError
+
+    processor = load_processor(resolve_model(str(checkpoint)))
+    parts = [{"type": "text", "text": "<image_soft_token> here:"}, {"type": "image"}]
+    with pytest.raises(InvalidRequestError, match="image tokens of its own"):
+        encode_with_images(processor, render(processor, parts), [png(3, (48, 64))], ImageLimits())

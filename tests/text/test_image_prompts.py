@@ -115,6 +115,9 @@ def test_bad_images_are_refused_before_they_are_decoded(checkpoint):
         encode_with_images(processor, "<image><image>", [png(5, (8, 8))] * 2, limits)
     with pytest.raises(InvalidRequestError, match="image places"):
         encode_with_images(processor, "no place", [png(5, (8, 8))], limits)
+    few_tokens = ImageLimits(max_tokens=16)  # an image here takes 80 (a tile and the whole)
+    with pytest.raises(InvalidRequestError, match="more than 16 tokens"):
+        encode_with_images(processor, "<image>", [png(6, (100, 100))], few_tokens)
 
 
 def test_base64_as_clients_send_it():
