@@ -42,8 +42,14 @@ class ImagesConfig(BaseModel):
         description="Hosts an image URL may name although they resolve to a private, "
         "loopback or link-local address (an image store inside the cluster).",
     )
+    url_ports: list[int] = Field(
+        default_factory=lambda: [80, 443], description="The ports an image URL may name."
+    )
     url_timeout_s: float = Field(
-        10.0, gt=0, description="One image URL's whole fetch, redirects included; past it 400."
+        10.0,
+        gt=0,
+        description="A request's image URLs, all fetched, redirects and name lookups "
+        "included; past it 400.",
     )
 
     def limits(self) -> ImageLimits:

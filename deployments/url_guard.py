@@ -23,6 +23,7 @@ meet it too:
 as its network backend and no proxies from the environment.
 """
 
+import asyncio
 import ipaddress
 import socket
 from collections.abc import Callable, Iterable
@@ -55,7 +56,8 @@ def is_public(address: str) -> bool:
 class HostPolicy:
     """Which hosts a request may reach, and the one address it connects to for each.
     `allowed_hosts` None: any host; `plain_http` holds "host:port" origins kept on http,
-    or "*" for every origin; `what` names the requests in refusals."""
+    or "*" for every origin; `ports`: the only ports it may reach (None: any); `what`
+    names the requests in refusals."""
 
     def __init__(
         self,
@@ -64,12 +66,14 @@ class HostPolicy:
         resolver: Resolver = system_resolver,
         plain_http: Iterable[str] = (),
         what: str = "downloads",
+        ports: Iterable[int] | None = None,
     ) -> None:
         self.allowed = None if allowed_hosts is None else {_name(h) for h in allowed_hosts}
-        self.private = {_name(h) for h in private_hosts}
+        self.private = {_name(h).strip("[]") for h in private_hosts}
         self.resolver = resolver
         self.plain_http = {o.lower() for o in plain_http}
         self.what = what
+        self.ports = None if ports is None else set(ports)
 
     @classmethod
     def for_hub(
@@ -86,9 +90,12 @@ class HostPolicy:
 
     @classmethod
     def for_images(
-        cls, private_hosts: Iterable[str] = (), resolver: Resolver = system_resolver
+        cls,
+        private_hosts: Iterable[str] = (),
+        resolver: Resolver = system_resolver,
+        ports: Iterable[int] = (80, 443),
     ) -> "HostPolicy":
-        return cls(None, private_hosts, resolver, ["*"], "image URLs")
+        return cls(None, private_hosts, resolver, ["*"], "image URLs", ports)
 
     def _check_host(self, host: str) -> None:
         if self.allowed is not None and host not in self.allowed:
@@ -99,6 +106,9 @@ class HostPolicy:
         url = request.url
         host = _name(url.host or "")
         self._check_host(host)
+        port = url.port or {"http": 80, "https": 443}.get(url.scheme)
+        if self.ports is not None and port not in self.ports:
+            raise TargetRefusedError(f"{self.what} may not reach port {port}")
         plain_ok = self.plain_http & {"*", f"{host}:{url.port or 80}"}
         if url.scheme == "https" or (url.scheme == "http" and plain_ok):
             return
@@ -146,6 +156,45 @@ class GuardedBackend(httpcore2.SyncBackend):
     ) -> httpcore2.NetworkStream:
         address = self.policy.address(host, port)
         return super().connect_tcp(address, port, timeout, local_address, socket_options)
+
+
+class AsyncGuardedBackend(httpcore2.AnyIOBackend):
+    """GuardedBackend's rule for an asyncio client; the name is resolved off the loop."""
+
+    def __init__(self, policy: HostPolicy) -> None:
+        self.policy = policy
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable | None = None,
+    ) -> httpcore2.AsyncNetworkStream:
+        address = await asyncio.to_thread(self.policy.address, host, port)
+        return await super().connect_tcp(address, port, timeout, local_address, socket_options)
+
+
+def guarded_async_client(policy: HostPolicy, timeout_s: float) -> httpx2.AsyncClient:
+    """`guarded_client` for asyncio: cancel it (asyncio.timeout) to bound a whole fetch."""
+    transport = httpx2.AsyncHTTPTransport(trust_env=False)
+    transport._pool = httpcore2.AsyncConnectionPool(
+        ssl_context=httpx2.create_ssl_context(),
+        network_backend=AsyncGuardedBackend(policy),
+    )
+
+    async def check(request: httpx2.Request) -> None:
+        policy.check_request(request)
+
+    return httpx2.AsyncClient(
+        transport=transport,
+        follow_redirects=True,
+        max_redirects=5,
+        timeout=httpx2.Timeout(timeout_s),
+        trust_env=False,
+        event_hooks={"request": [check]},
+    )
 
 
 def guarded_client(

@@ -15,6 +15,10 @@ def _handler(files: dict[str, bytes]) -> type[BaseHTTPRequestHandler]:
             pass
 
         def do_GET(self) -> None:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self._answer()  # else a client that gave up (the tests' time bounds)
+
+        def _answer(self) -> None:
             if self.path.startswith("/redirect/"):  # /redirect/<url-less-scheme path>
                 self.send_response(302)
                 self.send_header("Location", self.path.removeprefix("/redirect"))
@@ -30,6 +34,13 @@ def _handler(files: dict[str, bytes]) -> type[BaseHTTPRequestHandler]:
                     self.wfile.write(b"x")
                     self.wfile.flush()
                     time.sleep(0.1)
+            elif self.path == "/slow-headers":  # each header byte in time, the whole not
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Trickle: ")
+                for _ in range(40):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+                self.wfile.write(b"\r\nContent-Length: 0\r\n\r\n")
             elif self.path == "/endless":  # no length: the bound is on what arrives
                 self.send_response(200)
                 self.end_headers()

@@ -20,7 +20,7 @@ from app.models.decoder import (
     RMSNorm,
 )
 from app.models.dense_mlp import DenseMLP
-from app.models.loader import LoadedModel, load_model
+from app.models.loader import LoadedModel, images_need_both_ways, load_model
 from app.models.parallel import TPGroup
 from app.models.quantized_model import quantized_bytes
 from app.models.rope import RotaryEmbedding
@@ -102,14 +102,18 @@ def load_runner(
     run. `loaded` reuses weights already in memory (another engine's, in tests); the KV
     cache is always new."""
     if loaded is None:
-        backend = select_backend(config.attention_backend, config.torch_device, config.block_size)
+        source = resolve_model(config.model)
+        name = config.attention_backend
+        if name == "auto" and images_need_both_ways(source):
+            name = "torch"  # the one whose prefills mask Gemma 3's images both ways
+        backend = select_backend(name, config.torch_device, config.block_size)
         device = config.torch_device
         # 'auto' computes quantized weights' layers on a CPU in float32, as the fused
         # decode layers need: on an AVX512-BF16 CPU, where 'auto' means bfloat16, the
         # default model took 5.0-6.0 ms a token in bfloat16 and 3.5-3.7 ms in float32.
         quantized_dtype = torch.float32 if config.dtype == "auto" and device.type == "cpu" else None
         loaded = load_model(
-            resolve_model(config.model),
+            source,
             backend,
             config.torch_dtype,
             device,

@@ -25,7 +25,7 @@ from app.models.quantized_model import (
 )
 from app.models.source import ModelSource
 from app.models.torch_attention import TorchPagedAttention
-from app.models.vision.loading import load_vision
+from app.models.vision.loading import ENCODERS, load_vision
 from app.models.weight_loading import expected_pieces, load_weights
 from app.models.weights import iter_weights, patch_gguf_config, reading_gguf_once
 from app.protocol.errors import ModelLoadError
@@ -126,6 +126,15 @@ def load_model(
     )
     vision = _vision(source, backend, dtype, device) if tp.rank == 0 else None
     return LoadedModel(model, arch, source, max_positions, dtype, vision)
+
+
+def images_need_both_ways(source: ModelSource) -> bool:
+    """Whether the checkpoint's images need attention that sees an image's tokens both
+    ways (Gemma 3's), which only the torch backend masks (`auto` then picks it)."""
+    if source.is_gguf:
+        return False
+    archs = getattr(load_hf_config(source), "architectures", None) or []
+    return any(getattr(ENCODERS.get(a), "bidirectional", False) for a in archs)
 
 
 def _vision(

@@ -60,6 +60,13 @@ def prompt_object_text(item: dict[str, Any], param: str) -> str:
     return "".join(texts)
 
 
+def check_media_count(prompts: list[list[Any]], limit: int) -> None:
+    """The images of every prompt of a request together stay within `limit` (400)."""
+    count = sum(len(p.images) for pieces in prompts for p in pieces if isinstance(p, MediaPrompt))
+    if count > limit:
+        raise InvalidRequestError(f"{count} images in a request; at most {limit}", "prompt")
+
+
 async def encode_media_prompt(
     ingress: Ingress, model: str, prompt: MediaPrompt, add_special: bool, offset: int = 0
 ) -> tuple[list[int], list[ImageInput]]:

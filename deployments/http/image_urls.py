@@ -3,17 +3,19 @@
 Every dialect puts an image in its chat turn as {"type": "image", "image": bytes}, or,
 for a URL, {"type": "image", "url": url}; `ImageFetcher.resolve` turns the second into
 the first. A data URL is decoded; an http(s) URL is fetched only where the config allows
-it (`images.allow_urls`), and only
-through the SSRF guard (deployments/url_guard.py: public addresses, every redirect and
-connection checked), bounded in bytes (the header's length, then what arrives) and in
-time (the whole fetch). A URL that cannot be fetched is the client's to fix: a 400.
-Fetches run on a few threads of their own, so slow image hosts never hold up the
-ingress's other work."""
+it (`images.allow_urls`), and only through the SSRF guard (deployments/url_guard.py:
+public addresses on the allowed ports, every redirect and connection checked). A
+request's fetches run together, on the ingress's event loop, under one deadline that
+covers everything (name lookups, connections, headers, redirects, bodies), each bounded
+in bytes (the header's length, then what arrives); the first to fail cancels the
+others, and so does a client that goes away. A few fetches run at once in the whole
+ingress; the rest wait within their deadline. A URL that cannot be fetched is the
+client's to fix: a 400 that says which, and not why (the guard's reasons, such as what
+an internal name resolves to, go to the log only)."""
 
 import asyncio
-import time
+import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx2
@@ -26,19 +28,20 @@ from deployments.url_guard import (
     HostPolicy,
     Resolver,
     TargetRefusedError,
-    guarded_client,
+    guarded_async_client,
     system_resolver,
 )
 
-FETCH_THREADS = 8
+logger = logging.getLogger("ray.serve")
+MAX_FETCHES = 16  # at once, in one ingress
 
 
 class ImageFetcher:
     def __init__(self, config: ImagesConfig, resolver: Resolver = system_resolver) -> None:
         self.config = config
-        self.policy = HostPolicy.for_images(config.url_private_hosts, resolver)
-        self._client: httpx2.Client | None = None  # made on the first URL
-        self._threads: ThreadPoolExecutor | None = None
+        self.policy = HostPolicy.for_images(config.url_private_hosts, resolver, config.url_ports)
+        self._client: httpx2.AsyncClient | None = None  # made on the first URL
+        self._slots = asyncio.Semaphore(MAX_FETCHES)
 
     async def resolve(
         self, messages: list[dict[str, Any]], info: Callable[[], Awaitable[EngineInfo]]
@@ -60,68 +63,80 @@ class ImageFetcher:
                 "image input is not supported: this model does not read images; send text only",
                 "messages",
             )
+        if len(parts) > self.config.max_images:
+            raise InvalidRequestError(
+                f"{len(parts)} images in a request; at most {self.config.max_images}", "messages"
+            )
         named = [part["url"] for part in parts if "url" in part]
         if not named:
             return messages
         images = {u: data_url_bytes(u, "messages") for u in named if u[:5].lower() == "data:"}
-        urls = [u for u in named if u not in images]
+        urls = list(dict.fromkeys(u for u in named if u not in images))
         if urls and not self.config.allow_urls:
             raise InvalidRequestError(
                 "image URLs are not fetched by this server: send the image itself, as a data "
                 "URL (data:image/png;base64,...) or base64",
                 "messages",
             )
-        if len(urls) > self.config.max_images:
-            raise InvalidRequestError(
-                f"{len(urls)} image URLs in a request; at most {self.config.max_images}",
-                "messages",
-            )
         if urls:
-            images.update(await self._fetch_all(list(dict.fromkeys(urls))))
+            images.update(await self._fetch_all(urls))
         return [_with_bytes(m, images) for m in messages]
 
     async def _fetch_all(self, urls: list[str]) -> dict[str, bytes]:
-        loop = asyncio.get_running_loop()
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="image-url")
-        fetched = await asyncio.gather(
-            *(loop.run_in_executor(self._threads, self.fetch, url) for url in urls)
-        )
+        limit = self.config.url_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                fetched = await self._together(urls)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"image URLs could not be fetched within {limit:g} s", "messages"
+            ) from None
         return dict(zip(urls, fetched, strict=True))
 
-    def fetch(self, url: str) -> bytes:
-        """The bytes at `url`, within the config's bounds; a 400 otherwise."""
-        limit, deadline = self.config.max_image_bytes, time.monotonic() + self.config.url_timeout_s
+    async def _together(self, urls: list[str]) -> list[bytes]:
         try:
-            with self.client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise InvalidRequestError(
-                        f"image URL {url!r} answered HTTP {response.status_code}", "messages"
-                    )
-                declared = response.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > limit:
-                    raise _too_large(url, limit)
-                data = bytearray()
-                for chunk in response.iter_bytes():
-                    data += chunk
-                    if len(data) > limit:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.fetch(url)) for url in urls]
+        except* InvalidRequestError as failed:  # the first: the others were cancelled
+            raise failed.exceptions[0] from None
+        return [task.result() for task in tasks]
+
+    async def fetch(self, url: str) -> bytes:
+        """The bytes at `url`, within the config's bounds; a 400 otherwise."""
+        limit = self.config.max_image_bytes
+        async with self._slots:
+            try:
+                async with self.client.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        raise InvalidRequestError(
+                            f"image URL {url!r} answered HTTP {response.status_code}", "messages"
+                        )
+                    declared = response.headers.get("content-length", "")
+                    if declared.isdigit() and int(declared) > limit:
                         raise _too_large(url, limit)
-                    if time.monotonic() > deadline:
-                        raise httpx2.ReadTimeout("the whole fetch took too long")
-                return bytes(data)
-        except InvalidRequestError:
-            raise
-        except TargetRefusedError as exc:  # the client named a host it may not
-            raise InvalidRequestError(f"image URL {url!r}: {exc.message}", "messages") from None
-        except (httpx2.HTTPError, httpx2.InvalidURL, OSError) as exc:
-            raise InvalidRequestError(
-                f"image URL {url!r} could not be fetched: {exc or type(exc).__name__}", "messages"
-            ) from None
+                    data = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        data += chunk
+                        if len(data) > limit:
+                            raise _too_large(url, limit)
+                    return bytes(data)
+            except TargetRefusedError as exc:
+                logger.info("image URL %r refused: %s", url, exc.message)
+                raise InvalidRequestError(
+                    f"image URL {url!r} is refused: images are fetched over http(s) from "
+                    "public hosts, on the ports this server allows",
+                    "messages",
+                ) from None
+            except (httpx2.HTTPError, httpx2.InvalidURL, OSError) as exc:
+                logger.info("image URL %r not fetched: %r", url, exc)
+                raise InvalidRequestError(
+                    f"image URL {url!r} could not be fetched", "messages"
+                ) from None
 
     @property
-    def client(self) -> httpx2.Client:
+    def client(self) -> httpx2.AsyncClient:
         if self._client is None:
-            self._client = guarded_client(self.policy, timeout_s=self.config.url_timeout_s)
+            self._client = guarded_async_client(self.policy, self.config.url_timeout_s)
         return self._client
 
 

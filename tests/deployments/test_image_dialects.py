@@ -83,10 +83,14 @@ def test_image_urls_give_what_their_bytes_give_inline(checkpoint):
             )
         return inline, fetched, counted, missing, told.content[0].text
 
-    config = vlm_config(checkpoint, allow_urls=True, url_private_hosts=["127.0.0.1"])
     engine = tiny_engine(checkpoint, num_kv_blocks=256)
-    with image_host({"/a.png": image}) as base, local_app(config, engine) as (app, _):
-        inline, fetched, counted, missing, told = run(go(app, base))
+    with image_host({"/a.png": image}) as base:
+        port = int(base.rsplit(":", 1)[1])
+        config = vlm_config(
+            checkpoint, allow_urls=True, url_private_hosts=["127.0.0.1"], url_ports=[port]
+        )
+        with local_app(config, engine) as (app, _):
+            inline, fetched, counted, missing, told = run(go(app, base))
     assert fetched == inline and told == inline[0]
     assert counted.status_code == 400  # the host's root is no image
     assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
@@ -129,6 +133,18 @@ def test_responses_input_image_parts_give_chats_reply(checkpoint):
                     ],
                 },
             )
+            assistants = await http.post(
+                "/v1/conversations",
+                json={
+                    "items": [
+                        {
+                            "role": "assistant",
+                            "content": [{"type": "input_image", "image_url": url}],
+                        }
+                    ]
+                },
+            )
+        assert assistants.status_code == 400, assistants.text  # images are user input
         return expected, first, listed, follow, by_file
 
     engine = tiny_engine(checkpoint, num_kv_blocks=256)
@@ -168,6 +184,9 @@ def test_llamacpp_multimodal_data_stands_at_its_media_markers(checkpoint):
             body = {"n_predict": 6, "temperature": 0, "ignore_eos": True, "return_tokens": True}
             prompt = {"prompt_string": f"What is this: {marker}\n", "multimodal_data": [encoded]}
             done = await http.post("/completion", json={**body, "prompt": prompt})
+            many = {"prompt_string": f"{marker}", "multimodal_data": [encoded]}
+            too_many = await http.post("/completion", json={**body, "prompt": [many] * 9})
+            assert too_many.status_code == 400 and "at most 8" in too_many.text
             refused = [
                 await http.post("/completion", json={**body, "prompt": p})
                 for p in (

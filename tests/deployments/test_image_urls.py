@@ -4,6 +4,7 @@ HTTP errors and on schemes other than http(s), each a 400 that says why. Real so
 against a local image host."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -16,8 +17,15 @@ from tests.image_host import image_host
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
 
-def fetcher(**config) -> ImageFetcher:  # noqa: ANN003
-    settings = {"allow_urls": True, "url_private_hosts": ["127.0.0.1"], **config}
+def fetcher(base: str, **config) -> ImageFetcher:  # noqa: ANN003
+    """A fetcher that may reach the local image host at `base` (a private address)."""
+    port = int(base.rsplit(":", 1)[1])
+    settings = {
+        "allow_urls": True,
+        "url_private_hosts": ["127.0.0.1"],
+        "url_ports": [port],
+        **config,
+    }
     return ImageFetcher(ImagesConfig(**settings))
 
 
@@ -37,8 +45,8 @@ def resolve(f: ImageFetcher, *urls: str, info=reads_images) -> list:  # noqa: AN
 
 def test_urls_are_fetched_in_place_and_once_each():
     with image_host({"/a.png": PNG, "/b.png": PNG[::-1]}) as base:
-        parts = resolve(fetcher(), f"{base}/a.png", f"{base}/b.png", f"{base}/a.png")
-        redirected = resolve(fetcher(), f"{base}/redirect/a.png")
+        parts = resolve(fetcher(base), f"{base}/a.png", f"{base}/b.png", f"{base}/a.png")
+        redirected = resolve(fetcher(base), f"{base}/redirect/a.png")
     assert parts[0] == {"type": "text", "text": "see"}
     assert [p["image"] for p in parts[1:]] == [PNG, PNG[::-1], PNG]
     assert redirected[1]["image"] == PNG
@@ -51,32 +59,46 @@ def test_messages_without_urls_are_left_as_they_are():
 
 def test_a_text_model_fetches_nothing():
     with image_host({"/a.png": PNG}) as base, pytest.raises(InvalidRequestError, match="not supp"):
-        resolve(fetcher(), f"{base}/a.png", info=reads_text)
+        resolve(fetcher(base), f"{base}/a.png", info=reads_text)
 
 
 @pytest.mark.parametrize(
     "config, path, says",
     [
         ({"allow_urls": False}, "/a.png", "not fetched by this server"),
-        ({"url_private_hosts": []}, "/a.png", "non-public address"),
+        ({"url_private_hosts": []}, "/a.png", "is refused"),
+        ({"url_ports": [80, 443]}, "/a.png", "is refused"),
         ({}, "/missing.png", "HTTP 404"),
         ({"max_image_bytes": 100}, "/a.png", "more than 100 bytes"),  # by its length
         ({"max_image_bytes": 100_000}, "/endless", "more than 100000 bytes"),  # as it comes
-        ({"url_timeout_s": 0.5}, "/slow", "could not be fetched"),
-        ({}, "/to-ftp", "may not use ftp://"),
-        ({"max_images": 1}, "/a.png /a.png", "at most 1"),
+        ({"url_timeout_s": 0.5}, "/slow", "within 0.5 s"),
+        ({"url_timeout_s": 0.5}, "/slow-headers", "within 0.5 s"),
+        ({}, "/to-ftp", "is refused"),
+        ({"max_images": 1}, "/a.png /b.png", "at most 1"),
     ],
 )
 def test_refusals_are_400s_that_say_why(config, path, says):
     with image_host({"/a.png": PNG}) as base:
         urls = [base + p for p in path.split()]
-        with pytest.raises(InvalidRequestError, match=says):
-            resolve(fetcher(**config), *urls)
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError, match=says) as refused:
+            resolve(fetcher(base, **config), *urls)
+        assert time.monotonic() - started < 3.0  # every bound holds the whole fetch
+    assert "127.0.0.1 (" not in refused.value.message  # what names resolve to stays in the log
+
+
+def test_a_failed_url_cancels_the_rest_of_its_request():
+    with image_host({"/a.png": PNG}) as base:
+        f = fetcher(base, url_timeout_s=5.0)
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="HTTP 404"):
+            resolve(f, f"{base}/slow", f"{base}/missing.png", f"{base}/slow-headers")
+        assert time.monotonic() - started < 2.0  # the slow ones did not run on
 
 
 def test_a_public_name_that_resolves_to_a_private_address_is_refused():
     """DNS pointing a public-looking name at the cluster's inside (the metadata service):
     the address is checked, not the name."""
     f = ImageFetcher(ImagesConfig(allow_urls=True), resolver=lambda host, port: ["169.254.169.254"])
-    with pytest.raises(InvalidRequestError, match="non-public address"):
+    with pytest.raises(InvalidRequestError, match="is refused"):
         resolve(f, "http://images.example.com/a.png")

@@ -23,7 +23,7 @@ from app.protocol.outputs import TokenLogprob
 from app.protocol.sampling import SamplingParams
 from app.text.fim import fim_prompt
 from deployments.api.llamacpp.schema import LlamaCompletionRequest, LlamaInfillRequest, PromptPiece
-from deployments.api.prompts import MediaPrompt, encode_media_prompt
+from deployments.api.prompts import MediaPrompt, check_media_count, encode_media_prompt
 from deployments.api.slots import check_slot, slot_op
 from deployments.http.generation import Generation
 from deployments.http.run_all import run_all
@@ -38,7 +38,9 @@ router = APIRouter()
 @router.post("/completion")
 async def completion(req: LlamaCompletionRequest, ingress: IngressDep, tag: RequestTag):  # noqa: ANN201
     name = ingress.default_model(req.model)
-    encoded = [await _encode(ingress, name, pieces) for pieces in req.prompts()]
+    given = req.prompts()
+    check_media_count(given, ingress.config.images.max_images)
+    encoded = [await _encode(ingress, name, pieces) for pieces in given]
     prompts = [ids for ids, _ in encoded]
     params = req.params(ingress.config.max_tokens_default, await _bias(ingress, name, req))
     if len(prompts) == 1:

@@ -9,7 +9,14 @@ and what a stored response keeps (an `{}` item is 4 bytes of JSON and ~90 in mem
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from app.protocol.errors import InvalidRequestError
 from app.text.images import image_url_part
@@ -107,6 +114,14 @@ class MessageItem(Strict):
     phase: Literal["commentary", "final_answer"] | None = None
 
     _parts = field_validator("content", mode="before")(_parts_of((*TEXT_PARTS, "input_image")))
+
+    @model_validator(mode="after")
+    def _images_from_users(self) -> "MessageItem":
+        # OpenAI's: an image is input; an assistant's (or system's) turn is text.
+        parts = [] if isinstance(self.content, str) else self.content
+        if self.role != "user" and any(isinstance(part, ImagePart) for part in parts):
+            raise ValueError("input_image parts belong to user messages")
+        return self
 
     def message(self) -> dict[str, Any]:
         """The chat turn's message: its text, or its parts where it holds images."""
@@ -221,4 +236,5 @@ def _words(exc: ValidationError) -> str:
     where = ".".join(str(p) for p in err["loc"] if not branch(p))
     if err["type"] == "extra_forbidden":
         return f"unknown field {where!r}"
-    return f"{where}: {err['msg'].removeprefix('Value error, ')}"
+    words = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {words}" if where else words
