@@ -113,6 +113,13 @@ def step_rows(
     return torch.cat(rows), torch.cat(values)
 
 
+def sees_both_ways(seq: Any, n: int) -> bool:
+    """Whether the chunk of `n` tokens the sequence computes next holds an image whose
+    tokens see each other both ways."""
+    start = seq.num_computed_tokens  # one token alone is a prompt's last: nothing after it
+    return n > 1 and any(i.both_ways and i.start < start + n and i.end > start for i in seq.images)
+
+
 def both_ways_spans(
     seqs: Seq[Any], starts: Seq[int], counts: Seq[int]
 ) -> tuple[tuple[int, int, int], ...]:
@@ -122,7 +129,7 @@ def both_ways_spans(
         (i, image.start, image.end)
         for i, (seq, start, n) in enumerate(zip(seqs, starts, counts, strict=True))
         for image in seq.images
-        if image.both_ways and image.start < start + n and image.end > start
+        if n > 1 and image.both_ways and image.start < start + n and image.end > start
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from app.engine.images import both_ways_spans, step_rows
+from app.engine.images import both_ways_spans, sees_both_ways, step_rows
 from app.engine.mrope import step_positions
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
@@ -66,7 +66,11 @@ class InputBatch:
         decodes = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
         if len(decodes) == len(batch.seqs):
             return self._decode_step(batch)
-        order = decodes + [i for i, n in enumerate(batch.num_new_tokens) if n != 1]
+        prefills = [i for i, n in enumerate(batch.num_new_tokens) if n != 1]
+        # Those that see an image both ways go last: the attention backend's kernels take
+        # the others (BatchLayout.both_ways).
+        both = [i for i in prefills if sees_both_ways(batch.seqs[i], batch.num_new_tokens[i])]
+        order = decodes + [i for i in prefills if i not in both] + both
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         rows = [self._sync(seq, batch.tables_changed) for seq in seqs]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from app.models.attention import AttentionBackend, BatchLayout, DecodeInputs
+from app.models.prefill_spans import PrefillSpan, visible_keys
 
 
 @dataclass
@@ -26,40 +27,6 @@ class KernelBatch:
     tables: torch.Tensor  # (S, nblk) int32, padded with 0
     lens: torch.Tensor  # (S,) int32: cached tokens including this step's
     starts: torch.Tensor | None = None  # (S + 1,) int32 query offsets, prefills only
-
-
-def visible_keys(
-    q_pos: torch.Tensor, length: int, window: int, both_ways: tuple[tuple[int, int], ...] = ()
-) -> torch.Tensor:
-    """(len(q_pos), length) bool: key j is visible to a query at position p iff j <= p or
-    both are in one `both_ways` span [start, end), and, with a window, p - j < window."""
-    j = torch.arange(length, device=q_pos.device)[None, :]
-    seen = j <= q_pos[:, None]
-    for start, end in both_ways:
-        inside = (q_pos >= start) & (q_pos < end)
-        seen |= inside[:, None] & (j >= start) & (j < end)
-    if window > 0:
-        seen &= j > q_pos[:, None] - window
-    return seen
-
-
-@dataclass
-class PrefillSpan:
-    start: int  # first query token in the flat batch
-    end: int
-    context_len: int
-    gather_index: torch.Tensor | None  # (nkv, nblk) rows of the cache; None: no cached prefix
-    device: torch.device
-    both_ways: tuple[tuple[int, int], ...] = ()  # (start, end) positions: see BatchLayout
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window
-
-    def mask(self, window: int) -> torch.Tensor:
-        """(Lq, context_len) bool, True where a key is visible; built on first use."""
-        if window not in self.masks:
-            ctx = self.context_len
-            q_pos = torch.arange(ctx - (self.end - self.start), ctx, device=self.device)
-            self.masks[window] = visible_keys(q_pos, ctx, window, self.both_ways)
-        return self.masks[window]
 
 
 @dataclass
@@ -125,21 +92,24 @@ class TorchPagedAttention(AttentionBackend):
         if self.kernels is None:
             meta.slot_blocks, meta.slot_offsets = (slots // bs).to(device), (slots % bs).to(device)
         d, total = layout.num_decodes, len(layout.query_lens)
-        masked = bool(layout.both_ways)  # the C++ kernels' masks are causal only
-        if self.kernels is not None and self.token_by_token and total > d and not masked:
-            meta.kernel_decode = self._token_batch(layout)
-            meta.num_decodes = len(layout.slot_mapping)
-            return meta
-        if d:
-            if self.kernels is not None:
+        # Prefills that see an image both ways come last (the input batch orders them so)
+        # and take the torch path: the C++ kernels' masks are causal only.
+        masked = min((i for i, _, _ in layout.both_ways), default=total)
+        first = total  # the torch path's prefills: [first, total)
+        if self.kernels is not None and self.token_by_token and total > d:
+            if masked:
+                meta.kernel_decode = self._token_batch(layout, masked)
+            meta.num_decodes, first = sum(layout.query_lens[:masked]), masked
+        else:
+            if d and self.kernels is not None:
                 meta.kernel_decode = self._kernel_batch(layout, 0, d)
-            else:
+            elif d:
                 self._torch_decode(meta, layout, num_kv_heads, device)
-        if total > d:
-            if self.has_prefill_kernel and not masked:
-                meta.kernel_prefill = self._kernel_batch(layout, d, total, with_starts=True)
-            else:
-                meta.prefills = self._torch_prefills(layout, num_kv_heads, device)
+            first = masked if self.has_prefill_kernel else d
+            if first > d:
+                meta.kernel_prefill = self._kernel_batch(layout, d, first, with_starts=True)
+        if first < total:
+            meta.prefills = self._torch_prefills(layout, first, num_kv_heads, device)
         return meta
 
     def decode_metadata(
@@ -158,12 +128,12 @@ class TorchPagedAttention(AttentionBackend):
         return DecodeInputs(metadata.slots, kb.tables, kb.lens)
 
     @staticmethod
-    def _token_batch(layout: BatchLayout) -> KernelBatch:
-        """Every query token as a decode of its own: its sequence's table, and the keys up
-        to its position."""
-        counts = torch.tensor(layout.query_lens)
-        tables = layout.block_tables.repeat_interleave(counts, dim=0)
-        ends = torch.tensor(layout.context_lens).repeat_interleave(counts)
+    def _token_batch(layout: BatchLayout, hi: int) -> KernelBatch:
+        """Every query token of sequences [0, hi) as a decode of its own: its sequence's
+        table, and the keys up to its position."""
+        counts = torch.tensor(layout.query_lens[:hi])
+        tables = layout.block_tables[:hi].repeat_interleave(counts, dim=0)
+        ends = torch.tensor(layout.context_lens[:hi]).repeat_interleave(counts)
         firsts = torch.cumsum(counts, 0).repeat_interleave(counts)  # one past each's last
         lens = ends - (firsts - torch.arange(len(ends)) - 1)  # ctx - n + 1 .. ctx
         return KernelBatch(tables, lens.int())
@@ -193,9 +163,11 @@ class TorchPagedAttention(AttentionBackend):
         meta.decode_lens = torch.tensor(layout.context_lens[:d]).to(device)
 
     @staticmethod
-    def _torch_prefills(layout: BatchLayout, nkv: int, device: torch.device) -> list[PrefillSpan]:
-        bs, spans, start = layout.block_size, [], layout.num_decodes
-        for i in range(layout.num_decodes, len(layout.query_lens)):
+    def _torch_prefills(
+        layout: BatchLayout, first: int, nkv: int, device: torch.device
+    ) -> list[PrefillSpan]:
+        bs, spans, start = layout.block_size, [], sum(layout.query_lens[:first])
+        for i in range(first, len(layout.query_lens)):
             q_len, ctx = layout.query_lens[i], layout.context_lens[i]
             index = None
             if ctx > q_len:
@@ -240,7 +212,7 @@ class TorchPagedAttention(AttentionBackend):
             kb = metadata.kernel_prefill
             outputs.append(
                 kernels.paged_prefill_attention(
-                    q[d:].contiguous(),
+                    q[d : d + int(kb.starts[-1])].contiguous(),
                     k_cache,
                     v_cache,
                     kb.tables,

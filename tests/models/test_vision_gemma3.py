@@ -134,3 +134,29 @@ def test_a_text_that_writes_image_tokens_is_refused(checkpoint):
     parts = [{"type": "text", "text": "<image_soft_token> here:"}, {"type": "image"}]
     with pytest.raises(InvalidRequestError, match="image tokens of its own"):
         encode_with_images(processor, render(processor, parts), [png(3, (48, 64))], ImageLimits())
+
+
+def test_a_text_request_is_the_same_bits_beside_an_image_prefill(checkpoint):
+    """On a quantized CPU model every token attends through the decode kernel, for batch
+    invariance: an image's prefill in the same step takes the masked torch path alone,
+    and leaves its neighbours' bits as they were."""
+    from tests.helpers import cpu_engine
+
+    processor = load_processor(resolve_model(str(checkpoint)))
+    text = render(processor, [{"type": "text", "text": "Look:"}, {"type": "image"}])
+    image_ids, images = encode_with_images(processor, text, [png(20, (48, 64))], ImageLimits())
+    story = render(processor, [{"type": "text", "text": "Tell me a story about a cat"}])
+    text_ids = processor.tokenizer(story, add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def logprobs(neighbour: bool) -> list:
+        engine = cpu_engine(checkpoint, quantization="int8", num_kv_blocks=128)
+        engine.add_request("text", text_ids, params)
+        if neighbour:
+            engine.add_request("image", image_ids, GREEDY, images=images)
+        out = []
+        while engine.has_work:
+            out += [d.logprobs for d in engine.step() if d.request_id == "text" and d.logprobs]
+        return out
+
+    assert logprobs(neighbour=True) == logprobs(neighbour=False)
