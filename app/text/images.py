@@ -138,6 +138,8 @@ def encode_with_images(
         span = np.asarray(out["input_ids"]).reshape(-1)
         expansions.append(tokenizer.decode(span.tolist(), clean_up_tokenization_spaces=False))
         counts.append(int((span == token).sum()))
+        if counts[-1] == 0:
+            raise InvalidRequestError("the model's processor gave an image no tokens", "messages")
         if sum(counts) > limits.max_tokens:  # before pixels pile up (Qwen's: 5 KiB a token)
             raise InvalidRequestError(
                 f"the request's images take more than {limits.max_tokens} tokens: send fewer "

@@ -53,12 +53,14 @@ class Gemma3Vision(nn.Module):
         self.rows_per_tile = tokens
 
     def rows(self, pixels: dict[str, Any]) -> int:
-        """How many placeholder tokens an image's pixels fill (with pan and scan, its
-        crops too); ValueError for pixels not of the trained size."""
+        """How many placeholder tokens an image's pixels fill; ValueError for pixels not
+        of the trained size, or cut into pan-and-scan crops."""
         values = pixels.get("pixel_values")
         if values is None or values.ndim < 4 or tuple(values.shape[-3:]) != self.tile:
             raise ValueError(f"an image's pixel_values are not images of {self.tile}")
-        return int(np.prod(values.shape[:-3])) * self.rows_per_tile
+        if int(np.prod(values.shape[:-3])) != 1:  # each crop would need its own span
+            raise ValueError("pan-and-scan crops are not served: one view of each image")
+        return self.rows_per_tile
 
     @torch.inference_mode()
     def forward(self, images: list[dict[str, Any]]) -> list[torch.Tensor]:
