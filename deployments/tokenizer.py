@@ -119,7 +119,10 @@ class Tokenizer:
         if key not in self.processors:
             config = next((m for m in self.models if m.name == model), None)
             path = config.engine.model if config is not None else source
-            self.processors[key] = load_processor(resolve_model(path)) if path else None
+            mmproj = config.engine.mmproj if config is not None else None
+            tokenizer = self._get(model, source)
+            found = load_processor(resolve_model(path), mmproj, tokenizer) if path else None
+            self.processors[key] = found
         if self.processors[key] is None:
             raise InvalidRequestError(
                 f"image input is not supported: model {model!r} does not read images; "

@@ -25,6 +25,11 @@ class EngineConfig(BaseModel):
         "default",
         description="'default' (the embedded SmolLM2 GGUF), a .gguf file, an HF directory or a Hub repo id.",
     )
+    mmproj: str | None = Field(
+        None,
+        description="llama.cpp's projector file (mmproj-*.gguf) of a GGUF model: its image "
+        "encoder (served: Gemma 3's).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="'auto': bfloat16 on CUDA and on CPUs with bf16 instructions, else float32; "

@@ -104,7 +104,7 @@ def load_runner(
     if loaded is None:
         source = resolve_model(config.model)
         name = config.attention_backend
-        if name == "auto" and images_need_both_ways(source):
+        if name == "auto" and images_need_both_ways(source, config.mmproj):
             name = "torch"  # the one whose prefills mask Gemma 3's images both ways
         backend = select_backend(name, config.torch_device, config.block_size)
         device = config.torch_device
@@ -121,6 +121,7 @@ def load_runner(
             tp,
             config.quantization,
             quantized_dtype,
+            config.mmproj,
         )
     else:
         backend = loaded.model.model.layers[0].self_attn.backend

@@ -70,12 +70,14 @@ def load_model(
     tp: TPGroup = TPGroup(),  # noqa: B008 (frozen)
     quantization: str = "none",
     quantized_dtype: torch.dtype | None = None,
+    mmproj: str | None = None,
 ) -> LoadedModel:
     """Load weights into our model. `max_model_len` (None: the model's own) sizes the
     RoPE tables and is capped at the model's context length. `quantization` (see
     EngineConfig): "none" computes in `dtype` throughout; "auto"/"gguf" keep a GGUF's
     quantized weights as stored; "int8" quantizes every linear layer at load. A model
-    with quantized weights computes in `quantized_dtype` where one is given."""
+    with quantized weights computes in `quantized_dtype` where one is given. `mmproj`:
+    llama.cpp's projector file, the image encoder of a GGUF model."""
     arch = read_arch(source)
     if tp.enabled:
         try:
@@ -124,13 +126,15 @@ def load_model(
         quantized_bytes(model) / 1e6,
         device,
     )
-    vision = _vision(source, backend, dtype, device) if tp.rank == 0 else None
+    vision = _vision(source, backend, dtype, device, mmproj) if tp.rank == 0 else None
     return LoadedModel(model, arch, source, max_positions, dtype, vision)
 
 
-def images_need_both_ways(source: ModelSource) -> bool:
+def images_need_both_ways(source: ModelSource, mmproj: str | None = None) -> bool:
     """Whether the checkpoint's images need attention that sees an image's tokens both
     ways (Gemma 3's), which only the torch backend masks (`auto` then picks it)."""
+    if mmproj is not None:
+        return True  # the projector types served are Gemma 3's
     if source.is_gguf:
         return False
     archs = getattr(load_hf_config(source), "architectures", None) or []
@@ -138,10 +142,14 @@ def images_need_both_ways(source: ModelSource) -> bool:
 
 
 def _vision(
-    source: ModelSource, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    source: ModelSource,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    mmproj: str | None,
 ) -> nn.Module | None:
     """The checkpoint's image encoder, where the attention backend can serve its images."""
-    vision = load_vision(source, load_hf_config(source), dtype, device)
+    vision = load_vision(source, load_hf_config(source), dtype, device, mmproj)
     if getattr(vision, "bidirectional", False) and not backend.sees_both_ways:
         logger.warning(
             "%s: its images need attention that sees an image's tokens both ways, which the "

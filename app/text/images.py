@@ -25,7 +25,7 @@ import numpy as np
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError
 from app.protocol.images import ImageInput
-from app.text.patch_processor import PROCESSOR_CLASSES, PatchProcessor
+from app.text.processors import PROCESSOR_CLASSES, Gemma3ProjectorProcessor, QwenProcessor
 
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")  # the only decoders Pillow tries
@@ -40,8 +40,18 @@ class ImageLimits:
     max_tokens: int = 8192  # a request's image placeholder tokens, all images together
 
 
-def load_processor(source: ModelSource) -> Any | None:
-    """The model's processor when its files name one (a multimodal checkpoint), else None."""
+def load_processor(
+    source: ModelSource, mmproj: str | None = None, tokenizer: Any = None
+) -> Any | None:
+    """The model's processor when its files name one (a multimodal checkpoint), or, with
+    llama.cpp's projector file `mmproj`, one made from its metadata over `tokenizer`
+    (the model's); else None."""
+    if mmproj is not None:
+        from app.models.vision.mmproj import gemma3_config, read_mmproj
+
+        _, meta, _ = read_mmproj(mmproj, source.name)
+        tokens = gemma3_config(meta, 0).mm_tokens_per_image
+        return Gemma3ProjectorProcessor(tokenizer, meta, tokens)
     directory = source.directory
     if source.is_gguf or not any(
         (directory / name).is_file()
@@ -49,7 +59,7 @@ def load_processor(source: ModelSource) -> Any | None:
     ):
         return None
     if _processor_class(directory) in PROCESSOR_CLASSES:
-        return PatchProcessor(directory)
+        return QwenProcessor(directory)
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(directory))

@@ -37,11 +37,13 @@ def write_gguf(
     extra: dict[str, Any] | None = None,
     qtype: "gguf.GGMLQuantizationType | None" = None,
     expert_qtype: "gguf.GGMLQuantizationType | None" = None,
+    tokens: list[str] | None = None,
 ) -> Path:
     """Convert the checkpoint in `checkpoint` (config.json + model.safetensors) to `path`;
     `extra`: more tensors (GGUF name -> numpy array) written as they are; `qtype`: weight
     matrices quantized to that type (norms and MoE routers stay float32, as llama-quantize
-    leaves them), `expert_qtype`: the stacked experts (else float32)."""
+    leaves them), `expert_qtype`: the stacked experts (else float32); `tokens`: the
+    vocabulary's strings (else placeholders)."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -50,7 +52,7 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(checkpoint.name)
     _metadata(writer, arch, config)
-    _vocab(writer, config)
+    _vocab(writer, config, tokens)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     tensors = load_file(str(checkpoint / "model.safetensors"))
     for name, tensor in _converted(arch, config, tensors):
@@ -164,11 +166,12 @@ def _check_representable(arch: gguf.MODEL_ARCH, c: dict[str, Any]) -> None:
         raise ValueError("llama.cpp scales Gemma queries by head_dim ** -0.5")
 
 
-def _vocab(w: gguf.GGUFWriter, c: dict[str, Any]) -> None:
-    """A fake vocabulary: transformers sizes the config from it when no key says so."""
+def _vocab(w: gguf.GGUFWriter, c: dict[str, Any], tokens: list[str] | None = None) -> None:
+    """The vocabulary's strings, or placeholders: transformers sizes the config from it
+    when no key says so."""
     size = c["vocab_size"]
     w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>" for i in range(size)])
+    w.add_token_list(tokens or [f"<t{i}>" for i in range(size)])
     w.add_token_scores([0.0] * size)
     w.add_token_types([gguf.TokenType.NORMAL] * size)
     w.add_bos_token_id(c.get("bos_token_id") or 0)

@@ -4,6 +4,7 @@ image tokens added, Idefics3's image processor on Pillow and a SmolVLM-style tem
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ def gemma3_tokenizer():  # noqa: ANN201 (a transformers tokenizer)
     return tokenizer
 
 
-def save_gemma3_vision_checkpoint(directory: Path) -> Path:
+def save_gemma3_vision_checkpoint(directory: Path, **text_overrides: Any) -> Path:
     """gemma-3-4b-it's layout scaled down (sliding windows shorter than the prompts,
     images of 4 rows), with Gemma 3's processor over the tokenizer above."""
     import transformers
@@ -137,7 +138,7 @@ def save_gemma3_vision_checkpoint(directory: Path) -> Path:
 
     tokenizer = gemma3_tokenizer()
     _, _, text = FAMILIES["gemma3"]
-    text_config = {**_COMMON, **text, "vocab_size": len(tokenizer)}
+    text_config = {**_COMMON, **text, "vocab_size": len(tokenizer), **text_overrides}
     text_config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     vision = dict(
         hidden_size=32,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from app.models.source import ModelSource
-from app.models.vision import gemma3, idefics3, qwen2_5_vl
+from app.models.vision import gemma3, idefics3, mmproj, qwen2_5_vl
 from app.protocol.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -21,10 +21,16 @@ ENCODERS: dict[str, type[nn.Module]] = {
 
 
 def load_vision(
-    source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device
+    source: ModelSource,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    mmproj: str | None = None,
 ) -> nn.Module | None:
-    """The checkpoint's encoder, or None for a text model (and for any GGUF file: an
-    mmproj file is not read yet)."""
+    """The checkpoint's encoder, or, with `mmproj`, the one in llama.cpp's projector file
+    (mmproj.py); None for a text model (a GGUF file without a projector file is one)."""
+    if mmproj is not None:
+        return _from_mmproj(source, hf_config, mmproj, dtype, device)
     archs = [a for a in getattr(hf_config, "architectures", None) or [] if a in ENCODERS]
     if not archs or source.is_gguf:
         return None
@@ -32,12 +38,37 @@ def load_vision(
 
     with torch.device("meta"):
         vision = ENCODERS[archs[0]](hf_config)
-    vision = vision.to_empty(device=device)
-    expected = set(vision.state_dict())
-    ours = {alias: name for name in expected for alias in _aliases(name)}
+    ours = {alias: name for name in vision.state_dict() for alias in _aliases(name)}
     state = {}
     for name, tensor in iter_safetensors(source, ours.__contains__):  # not the decoder's
         state[ours[name]] = tensor
+    return _filled(vision, state, source, dtype, device)
+
+
+def _from_mmproj(
+    source: ModelSource, hf_config: Any, path: str, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    _, meta, reader = mmproj.read_mmproj(path, source.name)
+    if source.is_gguf:  # the soft token Gemma 3's processor writes, in the model's own vocabulary
+        where = source.directory / str(source.gguf_file)
+        token = mmproj.special_token_id(where, "<image_soft_token>", source.name)
+    else:
+        token = int(hf_config.image_token_id)
+    config = mmproj.gemma3_config(meta, token)
+    with torch.device("meta"):
+        vision = gemma3.Gemma3Vision(config)
+    return _filled(vision, mmproj.gemma3_state(reader, source.name), source, dtype, device)
+
+
+def _filled(
+    vision: nn.Module,
+    state: dict[str, torch.Tensor],
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    vision = vision.to_empty(device=device)
+    expected = set(vision.state_dict())
     missing = expected - set(state)
     if missing:
         shown = ", ".join(sorted(missing)[:5])

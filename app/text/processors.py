@@ -1,0 +1,86 @@
+"""Image processors built without transformers' processor classes, where those cannot be
+made: Qwen2.5-VL's (its class checks a video processor's class, which needs torchvision
+even unused) and a GGUF model's beside llama.cpp's projector file (no processor config:
+its settings are the projector's metadata). Transformers' own image processors (Pillow)
+still size each image and give its pixels; each placeholder becomes the tokens
+transformers' processor would write for that image (`expansion`)."""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROCESSOR_CLASSES = ("Qwen2_5_VLProcessor", "Qwen2VLProcessor")
+
+
+class ExpandingProcessor:
+    """The surface app/text/images.py uses: `tokenizer`, `image_token` (the placeholder
+    a template writes), `image_token_ids` (what the encoder's rows replace) and a call on
+    one text and its images."""
+
+    image_token: str
+    image_processor: Any
+    tokenizer: Any
+
+    def expansion(self, pixels: dict[str, np.ndarray], index: int) -> str:
+        raise NotImplementedError
+
+    @property
+    def image_token_ids(self) -> list[int]:
+        return [self.tokenizer.convert_tokens_to_ids(self.soft_token)]
+
+    @property
+    def soft_token(self) -> str:
+        return self.image_token
+
+    def __call__(self, text: str, images: list[list[Any]], add_special_tokens: bool = True) -> dict:
+        pictures = [p for group in images for p in group]
+        out = dict(self.image_processor(images=pictures, return_tensors="np"))
+        pieces = text.split(self.image_token)
+        expanded = pieces[0] + "".join(
+            self.expansion(out, i) + piece for i, piece in enumerate(pieces[1:])
+        )
+        ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids
+        return {"input_ids": np.asarray([ids]), **out}
+
+
+class QwenProcessor(ExpandingProcessor):
+    """Qwen2.5-VL's: one image token per merged 2 x 2 of patches."""
+
+    def __init__(self, directory: Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.image_processor = AutoImageProcessor.from_pretrained(str(directory))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+
+    def expansion(self, pixels: dict[str, np.ndarray], index: int) -> str:
+        merge = self.image_processor.merge_size**2
+        return self.image_token * (int(np.prod(pixels["image_grid_thw"][index])) // merge)
+
+
+class Gemma3ProjectorProcessor(ExpandingProcessor):
+    """Gemma 3's, for a GGUF model and its projector file: the projector's image size,
+    mean and std in Gemma 3's image processor; `<start_of_image>` becomes Gemma 3's
+    sequence (`Gemma3Processor.full_image_sequence`)."""
+
+    image_token = "<start_of_image>"
+    soft_token = "<image_soft_token>"
+
+    def __init__(self, tokenizer: Any, meta: dict[str, Any], tokens_per_image: int) -> None:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        side = int(meta["clip.vision.image_size"])
+        self.image_processor = Gemma3ImageProcessorPil(
+            size={"height": side, "width": side},
+            image_mean=list(meta.get("clip.vision.image_mean", [0.5] * 3)),
+            image_std=list(meta.get("clip.vision.image_std", [0.5] * 3)),
+        )
+        self.tokenizer = tokenizer
+        soft = self.soft_token * tokens_per_image
+        self.sequence = f"\n\n<start_of_image>{soft}<end_of_image>\n\n"
+
+    def expansion(self, pixels: dict[str, np.ndarray], index: int) -> str:
+        return self.sequence

@@ -1,0 +1,76 @@
+"""A tiny Gemma 3 checkpoint's image encoder as llama.cpp's projector file (mmproj), as
+its converter writes one (`convert_hf_to_gguf.py --mmproj`, checked against its output
+for this checkpoint): `clip.*` metadata, `v.*`/`mm.*` names, the projector norm stored
+as 1 + w, embeddings in float32, and the input projection in float16 (the converter
+forces it) unless `exact`. Tests only: what the projector loader must undo."""
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+_NAMES = {
+    "embeddings.patch_embedding": "v.patch_embd",
+    "embeddings.position_embedding": "v.position_embd",
+    "post_layernorm": "v.post_ln",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_out",
+    "layer_norm1": "ln1",
+    "layer_norm2": "ln2",
+    "mlp.fc1": "ffn_up",
+    "mlp.fc2": "ffn_down",
+}
+
+
+def write_gemma3_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
+    from safetensors.torch import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    vision = config["vision_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
+    w.add_uint32("clip.vision.image_size", vision["image_size"])
+    w.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    w.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    w.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    w.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    w.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    w.add_bool("clip.use_gelu", True)
+    side = vision["image_size"] // vision["patch_size"]
+    scale = side // int(config["mm_tokens_per_image"] ** 0.5)
+    if scale != 4:
+        w.add_uint32("clip.vision.projector.scale_factor", scale)
+    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if name.startswith("multi_modal_projector."):
+            if name.endswith("soft_emb_norm.weight"):
+                w.add_tensor("mm.soft_emb_norm.weight", array + 1.0)
+            else:
+                w.add_tensor(
+                    "mm.input_projection.weight", array if exact else array.astype(np.float16)
+                )
+            continue
+        if not name.startswith("vision_tower."):
+            continue
+        rest = name.removeprefix("vision_tower.").removeprefix("vision_model.")
+        if rest.startswith("head."):
+            continue  # SigLIP's pooling head: unused by Gemma 3, skipped by the converter
+        base, _, kind = rest.rpartition(".")
+        if base.startswith("encoder.layers."):
+            layer, _, part = base.removeprefix("encoder.layers.").partition(".")
+            w.add_tensor(f"v.blk.{layer}.{_NAMES[part]}.{kind}", array)
+        else:
+            w.add_tensor(f"{_NAMES[base]}.{kind}", array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,87 @@
+"""A GGUF Gemma 3 with llama.cpp's projector file (mmproj) beside it, on a tiny random
+checkpoint: the projector written as llama.cpp's converter writes it (its tensors and
+metadata checked byte for byte against the converter's output for this checkpoint); the
+encoder read from it gives the safetensors encoder's rows; the GGUF model with it answers
+an image prompt token for token as the safetensors checkpoint does; the processor made
+from the projector's metadata gives Gemma 3's processor's ids and pixels."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.models.source import resolve_model
+from app.text.images import ImageLimits, encode_with_images, load_processor
+from tests.helpers import tiny_engine
+from tests.models.gguf_writer import write_gguf
+from tests.models.mmproj_writer import write_gemma3_mmproj
+from tests.models.test_vision_gemma3 import GREEDY, ours, png, render
+from tests.models.vision_checkpoints import save_gemma3_vision_checkpoint
+
+pytest.importorskip("PIL")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the safetensors checkpoint, its language model as GGUF, its exact projector)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("gemma3-gguf")
+    # llama.cpp's Gemma 3 files fix the layers' pattern: every 6th global
+    checkpoint = save_gemma3_vision_checkpoint(root / "hf", num_hidden_layers=6, layer_types=None)
+    whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoint)
+    text = transformers.Gemma3ForCausalLM(whole.config.text_config)
+    text.model.load_state_dict(whole.model.language_model.state_dict())
+    text.lm_head.load_state_dict(whole.lm_head.state_dict())
+    text.save_pretrained(root / "text")
+    processor = load_processor(resolve_model(str(checkpoint)))
+    size = json.loads((root / "text" / "config.json").read_text())["vocab_size"]
+    tokens = processor.tokenizer.convert_ids_to_tokens(list(range(size)))
+    model = write_gguf(root / "text", root / "gemma3.gguf", tokens=tokens)
+    return checkpoint, model, write_gemma3_mmproj(checkpoint, root / "mmproj.gguf", exact=True)
+
+
+def test_the_projectors_encoder_gives_the_checkpoints_rows(files, tmp_path):
+    checkpoint, model, projector = files
+    pixels = [{"pixel_values": torch.rand(1, 3, 56, 56).numpy()} for _ in range(2)]
+    expected = tiny_engine(checkpoint).loaded.vision(pixels)
+    exact = tiny_engine(model, mmproj=str(projector)).loaded.vision(pixels)
+    halved = write_gemma3_mmproj(checkpoint, tmp_path / "f16.gguf")  # as llama.cpp ships it
+    rounded = tiny_engine(model, mmproj=str(halved)).loaded.vision(pixels)
+    for want, got, near in zip(expected, exact, rounded, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(near, want, atol=1e-2, rtol=1e-2)
+
+
+def test_a_gguf_model_with_its_projector_answers_as_the_checkpoint(files):
+    checkpoint, model, projector = files
+    processor = load_processor(resolve_model(str(checkpoint)))
+    parts = [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "to"}]
+    text = render(processor, [*parts, {"type": "image"}])
+    ids, images = encode_with_images(
+        processor, text, [png(30, (48, 64)), png(31, (64, 48))], ImageLimits()
+    )
+    expected = ours(tiny_engine(checkpoint, num_kv_blocks=128), ids, images)
+    engine = tiny_engine(model, mmproj=str(projector), num_kv_blocks=128)
+    assert engine.loaded.vision is not None
+    assert ours(engine, ids, images) == expected
+    assert len(expected) == GREEDY.max_tokens
+
+
+def test_the_projectors_processor_is_gemma3s(files):
+    checkpoint, _, projector = files
+    processor = load_processor(resolve_model(str(checkpoint)))
+    made = load_processor(resolve_model(str(checkpoint)), str(projector), processor.tokenizer)
+    parts = [{"type": "text", "text": "See"}, {"type": "image"}, {"type": "text", "text": "and"}]
+    text = render(processor, [*parts, {"type": "image"}])
+    images = [png(32, (40, 90)), png(33, (90, 40))]
+    want_ids, want = encode_with_images(processor, text, images, ImageLimits())
+    got_ids, got = encode_with_images(made, text, images, ImageLimits())
+    assert got_ids == want_ids
+    for a, b in zip(got, want, strict=True):
+        assert (a.offset, a.length, a.content_hash) == (b.offset, b.length, b.content_hash)
+        torch.testing.assert_close(
+            torch.as_tensor(a.pixels["pixel_values"]), torch.as_tensor(b.pixels["pixel_values"])
+        )
