@@ -28,7 +28,7 @@ class EngineConfig(BaseModel):
     mmproj: str | None = Field(
         None,
         description="llama.cpp's projector file (mmproj-*.gguf) of a GGUF model: its image "
-        "encoder (served: Gemma 3's).",
+        "encoder (served: Gemma 3's and SmolVLM's).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",

@@ -134,7 +134,9 @@ def images_need_both_ways(source: ModelSource, mmproj: str | None = None) -> boo
     """Whether the checkpoint's images need attention that sees an image's tokens both
     ways (Gemma 3's), which only the torch backend masks (`auto` then picks it)."""
     if mmproj is not None:
-        return True  # the projector types served are Gemma 3's
+        from app.models.vision.mmproj import read_mmproj
+
+        return read_mmproj(mmproj, source.name)[0] == "gemma3"
     if source.is_gguf:
         return False
     archs = getattr(load_hf_config(source), "architectures", None) or []

@@ -25,7 +25,7 @@ import numpy as np
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError
 from app.protocol.images import ImageInput
-from app.text.processors import PROCESSOR_CLASSES, Gemma3ProjectorProcessor, QwenProcessor
+from app.text.processors import PROCESSOR_CLASSES, QwenProcessor, projector_processor
 
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")  # the only decoders Pillow tries
@@ -47,11 +47,7 @@ def load_processor(
     llama.cpp's projector file `mmproj`, one made from its metadata over `tokenizer`
     (the model's); else None."""
     if mmproj is not None:
-        from app.models.vision.mmproj import gemma3_config, read_mmproj
-
-        _, meta, _ = read_mmproj(mmproj, source.name)
-        tokens = gemma3_config(meta, 0).mm_tokens_per_image
-        return Gemma3ProjectorProcessor(tokenizer, meta, tokens)
+        return projector_processor(mmproj, source.name, tokenizer)
     directory = source.directory
     if source.is_gguf or not any(
         (directory / name).is_file()

@@ -84,3 +84,31 @@ class Gemma3ProjectorProcessor(ExpandingProcessor):
 
     def expansion(self, pixels: dict[str, np.ndarray], index: int) -> str:
         return self.sequence
+
+
+def projector_processor(path: str, model: str, tokenizer: Any) -> Any:
+    """The image processor of a GGUF model beside llama.cpp's projector file at `path`,
+    over the model's `tokenizer`: Gemma 3's as above, or transformers' own Idefics3
+    processor (its class needs no video processor) with the projector's sizes."""
+    from app.models.vision.mmproj import model_config, read_mmproj
+
+    kind, meta, _ = read_mmproj(path, model)
+    config = model_config(kind, meta, 0)
+    if kind == "gemma3":
+        return Gemma3ProjectorProcessor(tokenizer, meta, config.mm_tokens_per_image)
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    vision = config.vision_config
+    longest = int(meta.get("clip.vision.preproc_image_size") or vision.image_size)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": longest},
+        max_image_size={"longest_edge": vision.image_size},
+        image_mean=list(meta.get("clip.vision.image_mean", [0.5] * 3)),
+        image_std=list(meta.get("clip.vision.image_std", [0.5] * 3)),
+        do_image_splitting=True,
+    )
+    rows = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=rows)

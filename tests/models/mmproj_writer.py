@@ -1,8 +1,8 @@
-"""A tiny Gemma 3 checkpoint's image encoder as llama.cpp's projector file (mmproj), as
-its converter writes one (`convert_hf_to_gguf.py --mmproj`, checked against its output
-for this checkpoint): `clip.*` metadata, `v.*`/`mm.*` names, the projector norm stored
-as 1 + w, embeddings in float32, and the input projection in float16 (the converter
-forces it) unless `exact`. Tests only: what the projector loader must undo."""
+"""A tiny Gemma 3 or Idefics3 (SmolVLM) checkpoint's image encoder as llama.cpp's
+projector file (mmproj), as its converter writes one (`convert_hf_to_gguf.py --mmproj`,
+checked byte for byte against its output for these checkpoints): `clip.*` metadata,
+`v.*`/`mm.*` names, Gemma 3's projector norm stored as 1 + w and its input projection in
+float16 (the converter forces it) unless `exact`. Tests only: what the loader undoes."""
 
 import json
 from pathlib import Path
@@ -26,10 +26,15 @@ _NAMES = {
 
 
 def write_gemma3_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
+    return write_mmproj(checkpoint, path, exact)
+
+
+def write_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
     vision = config["vision_config"]
+    kind = "gemma3" if config["model_type"] == "gemma3" else "idefics3"
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_bool("clip.has_vision_encoder", True)
     w.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
@@ -41,15 +46,25 @@ def write_gemma3_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Pa
     w.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_string("clip.projector_type", "gemma3")
+    w.add_string("clip.projector_type", kind)
     w.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    if kind == "idefics3":
+        w.add_uint32("clip.vision.projector.scale_factor", config.get("scale_factor", 2))
     w.add_bool("clip.use_gelu", True)
-    side = vision["image_size"] // vision["patch_size"]
-    scale = side // int(config["mm_tokens_per_image"] ** 0.5)
-    if scale != 4:
-        w.add_uint32("clip.vision.projector.scale_factor", scale)
+    if kind == "idefics3":
+        pre = json.loads((checkpoint / "processor_config.json").read_text())["image_processor"]
+        w.add_uint32("clip.vision.preproc_image_size", pre["size"]["longest_edge"])
+    else:
+        side = vision["image_size"] // vision["patch_size"]
+        scale = side // int(config["mm_tokens_per_image"] ** 0.5)
+        if scale != 4:
+            w.add_uint32("clip.vision.projector.scale_factor", scale)
     for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
         array = tensor.float().numpy()
+        name = name.removeprefix("model.")
+        if name == "connector.modality_projection.proj.weight":
+            w.add_tensor("mm.model.fc.weight", array)
+            continue
         if name.startswith("multi_modal_projector."):
             if name.endswith("soft_emb_norm.weight"):
                 w.add_tensor("mm.soft_emb_norm.weight", array + 1.0)
@@ -58,7 +73,7 @@ def write_gemma3_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Pa
                     "mm.input_projection.weight", array if exact else array.astype(np.float16)
                 )
             continue
-        if not name.startswith("vision_tower."):
+        if not name.startswith(("vision_tower.", "vision_model.")):
             continue
         rest = name.removeprefix("vision_tower.").removeprefix("vision_model.")
         if rest.startswith("head."):

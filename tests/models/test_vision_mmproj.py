@@ -1,5 +1,5 @@
-"""A GGUF Gemma 3 with llama.cpp's projector file (mmproj) beside it, on a tiny random
-checkpoint: the projector written as llama.cpp's converter writes it (its tensors and
+"""GGUF models with llama.cpp's projector file (mmproj) beside them, Gemma 3's and
+SmolVLM's, on tiny random checkpoints. For Gemma 3: the projector written as llama.cpp's converter writes it (its tensors and
 metadata checked byte for byte against the converter's output for this checkpoint); the
 encoder read from it gives the safetensors encoder's rows; the GGUF model with it answers
 an image prompt token for token as the safetensors checkpoint does; the processor made
@@ -15,7 +15,7 @@ from app.models.source import resolve_model
 from app.text.images import ImageLimits, encode_with_images, load_processor
 from tests.helpers import tiny_engine
 from tests.models.gguf_writer import write_gguf
-from tests.models.mmproj_writer import write_gemma3_mmproj
+from tests.models.mmproj_writer import write_gemma3_mmproj, write_mmproj
 from tests.models.test_vision_gemma3 import GREEDY, ours, png, render
 from tests.models.vision_checkpoints import save_gemma3_vision_checkpoint
 
@@ -85,3 +85,50 @@ def test_the_projectors_processor_is_gemma3s(files):
         torch.testing.assert_close(
             torch.as_tensor(a.pixels["pixel_values"]), torch.as_tensor(b.pixels["pixel_values"])
         )
+
+
+@pytest.fixture(scope="module")
+def smolvlm_files(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """SmolVLM's: (the checkpoint, its Llama language model as GGUF, its projector)."""
+    import transformers
+
+    from tests.models.vision_checkpoints import save_idefics3_checkpoint
+
+    root = tmp_path_factory.mktemp("smolvlm-gguf")
+    checkpoint = save_idefics3_checkpoint(root / "hf", processor=True)
+    whole = transformers.Idefics3ForConditionalGeneration.from_pretrained(checkpoint)
+    text = transformers.LlamaForCausalLM(whole.config.text_config)
+    text.model.load_state_dict(whole.model.text_model.state_dict())
+    text.lm_head.load_state_dict(whole.lm_head.state_dict())
+    text.save_pretrained(root / "text")
+    processor = load_processor(resolve_model(str(checkpoint)))
+    size = json.loads((root / "text" / "config.json").read_text())["vocab_size"]
+    tokens = processor.tokenizer.convert_ids_to_tokens(list(range(size)))
+    model = write_gguf(root / "text", root / "smolvlm.gguf", tokens=tokens)
+    return checkpoint, model, write_mmproj(checkpoint, root / "mmproj.gguf")
+
+
+def test_a_smolvlm_gguf_with_its_projector_answers_as_the_checkpoint(smolvlm_files):
+    from tests.models.vision_checkpoints import TEMPLATE
+
+    checkpoint, model, projector = smolvlm_files
+    processor = load_processor(resolve_model(str(checkpoint)))
+    made = load_processor(resolve_model(str(checkpoint)), str(projector), processor.tokenizer)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}]}
+    ]
+    text = processor.tokenizer.apply_chat_template(
+        messages, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    images = [png(34, (100, 80))]
+    ids, inputs = encode_with_images(processor, text, images, ImageLimits())
+    made_ids, made_inputs = encode_with_images(made, text, images, ImageLimits())
+    assert made_ids == ids  # the projector's sizes give the checkpoint processor's tiles
+    torch.testing.assert_close(
+        torch.as_tensor(made_inputs[0].pixels["pixel_values"]),
+        torch.as_tensor(inputs[0].pixels["pixel_values"]),
+    )
+    expected = ours(tiny_engine(checkpoint, num_kv_blocks=256), ids, inputs)
+    engine = tiny_engine(model, mmproj=str(projector), num_kv_blocks=256)
+    assert engine.loaded.vision is not None
+    assert ours(engine, ids, inputs) == expected

@@ -48,16 +48,16 @@ def load_vision(
 def _from_mmproj(
     source: ModelSource, hf_config: Any, path: str, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
-    _, meta, reader = mmproj.read_mmproj(path, source.name)
-    if source.is_gguf:  # the soft token Gemma 3's processor writes, in the model's own vocabulary
+    kind, meta, reader = mmproj.read_mmproj(path, source.name)
+    if source.is_gguf:  # the token the processor writes, in the model's own vocabulary
         where = source.directory / str(source.gguf_file)
-        token = mmproj.special_token_id(where, "<image_soft_token>", source.name)
+        token = mmproj.special_token_id(where, mmproj.image_token(kind), source.name)
     else:
         token = int(hf_config.image_token_id)
-    config = mmproj.gemma3_config(meta, token)
+    encoder = gemma3.Gemma3Vision if kind == "gemma3" else idefics3.Idefics3Vision
     with torch.device("meta"):
-        vision = gemma3.Gemma3Vision(config)
-    return _filled(vision, mmproj.gemma3_state(reader, source.name), source, dtype, device)
+        vision = encoder(mmproj.model_config(kind, meta, token))
+    return _filled(vision, mmproj.state_of(kind, reader, source.name), source, dtype, device)
 
 
 def _filled(

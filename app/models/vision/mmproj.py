@@ -2,7 +2,7 @@
 beside it, as llama.cpp's converter writes it (`clip.*` metadata, `v.*` and `mm.*`
 tensors). Read into the same encoder modules as the safetensors checkpoints, under their
 names, with the converter's edits undone (Gemma 3's projector norm is stored as 1 + w).
-Served projector types: gemma3."""
+Served projector types: gemma3 and idefics3 (SmolVLM)."""
 
 import re
 from pathlib import Path
@@ -27,10 +27,22 @@ _SIGLIP = {  # llama.cpp's name (its {i} the layer) -> ours under the tower's vi
     "v.blk.{i}.ffn_up": "encoder.layers.{i}.mlp.fc1",
     "v.blk.{i}.ffn_down": "encoder.layers.{i}.mlp.fc2",
 }
-_GEMMA3 = {
-    "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
-    "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight",
+_PROJECTORS = {  # projector type -> its SigLIP's place, its own tensors, its image token
+    "gemma3": (
+        "vision_tower.vision_model.",
+        {
+            "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+            "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight",
+        },
+        "<image_soft_token>",
+    ),
+    "idefics3": (
+        "vision_model.",
+        {"mm.model.fc.weight": "connector.modality_projection.proj.weight"},
+        "<image>",
+    ),
 }
+SERVED = tuple(_PROJECTORS)
 GEMMA3_SCALE = 4  # patches per side pooled into one token's, unless the file says
 
 
@@ -46,16 +58,23 @@ def read_mmproj(path: str | Path, model: str) -> tuple[str, dict[str, Any], Any]
         name: field.contents() for name, field in reader.fields.items() if name.startswith("clip.")
     }
     kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
-    if kind != "gemma3":
-        raise ModelLoadError(model, f"projector type {kind!r} is not served (served: gemma3)")
+    if kind not in _PROJECTORS:
+        served = ", ".join(SERVED)
+        raise ModelLoadError(model, f"projector type {kind!r} is not served (served: {served})")
     return kind, meta, reader
 
 
-def gemma3_config(meta: dict[str, Any], image_token_id: int) -> Any:
-    """Gemma 3's multimodal config as the encoder reads it, from the file's metadata."""
+def image_token(kind: str) -> str:
+    """The token whose places take the encoder's rows, as the model's vocabulary has it."""
+    return _PROJECTORS[kind][2]
+
+
+def model_config(kind: str, meta: dict[str, Any], image_token_id: int) -> Any:
+    """The multimodal config the encoder of `kind` reads, from the file's metadata."""
     v = "clip.vision."
     size, patch = int(meta[v + "image_size"]), int(meta[v + "patch_size"])
-    scale = int(meta.get(v + "projector.scale_factor") or GEMMA3_SCALE)
+    default = GEMMA3_SCALE if kind == "gemma3" else 2
+    scale = int(meta.get(v + "projector.scale_factor") or default)
     vision = SimpleNamespace(
         hidden_size=int(meta[v + "embedding_length"]),
         intermediate_size=int(meta[v + "feed_forward_length"]),
@@ -70,26 +89,28 @@ def gemma3_config(meta: dict[str, Any], image_token_id: int) -> Any:
     return SimpleNamespace(
         vision_config=vision,
         text_config=SimpleNamespace(hidden_size=int(meta[v + "projection_dim"])),
-        mm_tokens_per_image=(size // patch // scale) ** 2,
+        mm_tokens_per_image=(size // patch // scale) ** 2,  # Gemma 3's
+        scale_factor=scale,  # Idefics3's
         image_token_id=image_token_id,
     )
 
 
-def gemma3_state(reader: Any, model: str) -> dict[str, torch.Tensor]:
-    """The file's tensors under Gemma3Vision's names."""
+def state_of(kind: str, reader: Any, model: str) -> dict[str, torch.Tensor]:
+    """The file's tensors under the names of the encoder of `kind`."""
     import gguf
 
+    tower, own, _ = _PROJECTORS[kind]
     state = {}
     for tensor in reader.tensors:
-        base, _, kind = tensor.name.rpartition(".")
-        ours = _GEMMA3.get(tensor.name)
+        base, _, part = tensor.name.rpartition(".")
+        ours = own.get(tensor.name)
         if ours is None:
             layer = re.search(r"\.(\d+)\.", base)
             key = base.replace(f".{layer.group(1)}.", ".{i}.") if layer else base
             if key not in _SIGLIP:
-                raise ModelLoadError(model, f"unknown tensor {tensor.name} in a gemma3 projector")
+                raise ModelLoadError(model, f"unknown tensor {tensor.name} in a {kind} projector")
             name = _SIGLIP[key].format(i=layer.group(1) if layer else "")
-            ours = f"vision_tower.vision_model.{name}.{kind}"
+            ours = f"{tower}{name}.{part}"
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weights = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
         if tensor.name == "mm.soft_emb_norm.weight":
