@@ -120,8 +120,8 @@ class Tokenizer:
             config = next((m for m in self.models if m.name == model), None)
             path = config.engine.model if config is not None else source
             mmproj = config.engine.mmproj if config is not None else None
-            tokenizer = self._get(model, source)
-            found = load_processor(resolve_model(path), mmproj, tokenizer) if path else None
+            tokenizer, limits = self._get(model, source), self.image_limits
+            found = load_processor(resolve_model(path), mmproj, tokenizer, limits) if path else None
             self.processors[key] = found
         if self.processors[key] is None:
             raise InvalidRequestError(

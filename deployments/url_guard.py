@@ -26,15 +26,18 @@ as its network backend and no proxies from the environment.
 import asyncio
 import ipaddress
 import socket
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpcore2
 import httpx2
 
-from app.protocol.errors import PermissionDeniedError
+from app.protocol.errors import OverloadedError, PermissionDeniedError
 
 Resolver = Callable[[str, int], list[str]]
+LOOKUP_THREADS = 8  # host name lookups at once, for every asyncio client of the process
 
 
 class TargetRefusedError(PermissionDeniedError):
@@ -158,8 +161,19 @@ class GuardedBackend(httpcore2.SyncBackend):
         return super().connect_tcp(address, port, timeout, local_address, socket_options)
 
 
+class LookupsBusyError(OverloadedError):
+    code = "lookups_busy"
+
+
 class AsyncGuardedBackend(httpcore2.AnyIOBackend):
-    """GuardedBackend's rule for an asyncio client; the name is resolved off the loop."""
+    """GuardedBackend's rule for an asyncio client. Names are resolved on a few threads
+    of their own, counted until each lookup ends (a cancelled fetch does not end its
+    thread's lookup): when all are busy (slow name servers, which a client may choose)
+    a fetch is refused at once (503) rather than queued behind them."""
+
+    threads = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="url-lookup")
+    busy = 0
+    lock = threading.Lock()
 
     def __init__(self, policy: HostPolicy) -> None:
         self.policy = policy
@@ -172,16 +186,32 @@ class AsyncGuardedBackend(httpcore2.AnyIOBackend):
         local_address: str | None = None,
         socket_options: Iterable | None = None,
     ) -> httpcore2.AsyncNetworkStream:
-        address = await asyncio.to_thread(self.policy.address, host, port)
+        cls = AsyncGuardedBackend
+        with cls.lock:
+            if cls.busy >= LOOKUP_THREADS:
+                raise LookupsBusyError("too many host names are being looked up: retry")
+            cls.busy += 1
+
+        def lookup() -> str:
+            try:
+                return self.policy.address(host, port)
+            finally:
+                with cls.lock:
+                    cls.busy -= 1
+
+        address = await asyncio.get_running_loop().run_in_executor(cls.threads, lookup)
         return await super().connect_tcp(address, port, timeout, local_address, socket_options)
 
 
-def guarded_async_client(policy: HostPolicy, timeout_s: float) -> httpx2.AsyncClient:
+def guarded_async_client(
+    policy: HostPolicy, timeout_s: float, max_connections: int = 16
+) -> httpx2.AsyncClient:
     """`guarded_client` for asyncio: cancel it (asyncio.timeout) to bound a whole fetch."""
     transport = httpx2.AsyncHTTPTransport(trust_env=False)
     transport._pool = httpcore2.AsyncConnectionPool(
         ssl_context=httpx2.create_ssl_context(),
         network_backend=AsyncGuardedBackend(policy),
+        max_connections=max_connections,
     )
 
     async def check(request: httpx2.Request) -> None:

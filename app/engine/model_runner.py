@@ -106,6 +106,7 @@ def load_runner(
         name = config.attention_backend
         if name == "auto" and images_need_both_ways(source, config.mmproj):
             name = "torch"  # the one whose prefills mask Gemma 3's images both ways
+            logger.info("%s: attention backend torch, for its images' both-ways mask", source.name)
         backend = select_backend(name, config.torch_device, config.block_size)
         device = config.torch_device
         # 'auto' computes quantized weights' layers on a CPU in float32, as the fused

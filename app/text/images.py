@@ -12,6 +12,7 @@ expansions' (a text that writes such tokens itself is refused)."""
 
 import base64
 import binascii
+import copy
 import hashlib
 import io
 import json
@@ -41,13 +42,17 @@ class ImageLimits:
 
 
 def load_processor(
-    source: ModelSource, mmproj: str | None = None, tokenizer: Any = None
+    source: ModelSource,
+    mmproj: str | None = None,
+    tokenizer: Any = None,
+    limits: ImageLimits | None = None,
 ) -> Any | None:
     """The model's processor when its files name one (a multimodal checkpoint), or, with
     llama.cpp's projector file `mmproj`, one made from its metadata over `tokenizer`
-    (the model's); else None."""
+    (the model's, copied: a processor may add tokens to it); else None. `limits`: a
+    processor that sizes images freely (Qwen's) scales them down to fit its tokens."""
     if mmproj is not None:
-        return projector_processor(mmproj, source.name, tokenizer)
+        return projector_processor(mmproj, source.name, copy.deepcopy(tokenizer))
     directory = source.directory
     if source.is_gguf or not any(
         (directory / name).is_file()
@@ -55,7 +60,7 @@ def load_processor(
     ):
         return None
     if _processor_class(directory) in PROCESSOR_CLASSES:
-        return QwenProcessor(directory)
+        return QwenProcessor(directory, (limits or ImageLimits()).max_tokens)
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(directory))
@@ -138,11 +143,20 @@ def encode_with_images(
     tokenizer = processor.tokenizer
     token = int(processor.image_token_ids[0])  # what the encoder's rows replace
     expansions, counts, pixels = [], [], []
+    before, after = getattr(processor, "around_raw_image", ("", "")) if marker else ("", "")
     for data in images:
         picture = open_image(data, limits)
-        out = processor(text=placeholder(processor), images=[[picture]], add_special_tokens=False)
+        try:
+            out = processor(
+                text=placeholder(processor), images=[[picture]], add_special_tokens=False
+            )
+        except ValueError as exc:  # e.g. Qwen's: an aspect ratio past 200
+            raise InvalidRequestError(
+                f"the model's processor refused an image: {exc}", "messages"
+            ) from exc
         span = np.asarray(out["input_ids"]).reshape(-1)
-        expansions.append(tokenizer.decode(span.tolist(), clean_up_tokenization_spaces=False))
+        expansion = tokenizer.decode(span.tolist(), clean_up_tokenization_spaces=False)
+        expansions.append(before + expansion + after)  # a raw prompt's: as its template writes
         counts.append(int((span == token).sum()))
         if counts[-1] == 0:
             raise InvalidRequestError("the model's processor gave an image no tokens", "messages")

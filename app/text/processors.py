@@ -45,14 +45,23 @@ class ExpandingProcessor:
 
 
 class QwenProcessor(ExpandingProcessor):
-    """Qwen2.5-VL's: one image token per merged 2 x 2 of patches."""
+    """Qwen2.5-VL's: one image token per merged 2 x 2 of patches. An image is scaled down
+    to take at most `max_tokens` (its checkpoint's own bound, 16384 tokens, would have
+    a phone's photo refused), as its `max_pixels` would."""
 
-    def __init__(self, directory: Path) -> None:
+    around_raw_image = ("<|vision_start|>", "<|vision_end|>")  # what its template writes
+
+    def __init__(self, directory: Path, max_tokens: int) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         self.image_processor = AutoImageProcessor.from_pretrained(str(directory))
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        token_pixels = (self.image_processor.patch_size * self.image_processor.merge_size) ** 2
+        size = self.image_processor.size
+        size.longest_edge = min(
+            size.longest_edge or max_tokens * token_pixels, max_tokens * token_pixels
+        )
 
     def expansion(self, pixels: dict[str, np.ndarray], index: int) -> str:
         merge = self.image_processor.merge_size**2

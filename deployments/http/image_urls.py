@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx2
 
-from app.protocol.errors import InvalidRequestError
+from app.protocol.errors import InvalidRequestError, ShoalError
 from app.protocol.outputs import EngineInfo
 from app.text.images import data_url_bytes
 from deployments.images_config import ImagesConfig
@@ -97,7 +97,7 @@ class ImageFetcher:
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self.fetch(url)) for url in urls]
-        except* InvalidRequestError as failed:  # the first: the others were cancelled
+        except* ShoalError as failed:  # the first: the others were cancelled
             raise failed.exceptions[0] from None
         return [task.result() for task in tasks]
 
@@ -136,7 +136,7 @@ class ImageFetcher:
     @property
     def client(self) -> httpx2.AsyncClient:
         if self._client is None:
-            self._client = guarded_async_client(self.policy, self.config.url_timeout_s)
+            self._client = guarded_async_client(self.policy, self.config.url_timeout_s, MAX_FETCHES)
         return self._client
 
 

@@ -102,3 +102,28 @@ def test_a_public_name_that_resolves_to_a_private_address_is_refused():
     f = ImageFetcher(ImagesConfig(allow_urls=True), resolver=lambda host, port: ["169.254.169.254"])
     with pytest.raises(InvalidRequestError, match="is refused"):
         resolve(f, "http://images.example.com/a.png")
+
+
+def test_slow_name_lookups_are_bounded_and_refused_at_once_when_all_are_busy():
+    """A name server that never answers (a client may choose one) holds a lookup thread
+    past its request's deadline; when every lookup thread is held, a fetch is a 503 at
+    once rather than a wait that would time out in another client's name."""
+    from app.protocol.errors import OverloadedError
+    from deployments.url_guard import LOOKUP_THREADS, AsyncGuardedBackend
+
+    def silent(host: str, port: int) -> list[str]:
+        time.sleep(1.5)
+        return ["93.184.216.34"]
+
+    slow = ImageFetcher(ImagesConfig(allow_urls=True, url_timeout_s=0.3), resolver=silent)
+    urls = [f"http://slow{i}.example/a.png" for i in range(LOOKUP_THREADS)]
+    with pytest.raises(InvalidRequestError, match="within 0.3 s"):
+        resolve(slow, *urls)
+    started = time.monotonic()
+    with pytest.raises(OverloadedError, match="retry"):
+        resolve(slow, "http://another.example/a.png")
+    assert time.monotonic() - started < 0.2
+    deadline = time.monotonic() + 5
+    while AsyncGuardedBackend.busy and time.monotonic() < deadline:
+        time.sleep(0.05)  # the held threads end their lookups
+    assert AsyncGuardedBackend.busy == 0

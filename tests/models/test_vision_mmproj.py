@@ -132,3 +132,16 @@ def test_a_smolvlm_gguf_with_its_projector_answers_as_the_checkpoint(smolvlm_fil
     engine = tiny_engine(model, mmproj=str(projector), num_kv_blocks=256)
     assert engine.loaded.vision is not None
     assert ours(engine, ids, inputs) == expected
+
+
+def test_a_wrong_or_broken_projector_file_is_a_load_error(files, smolvlm_files, tmp_path):
+    from app.protocol.errors import ModelLoadError
+
+    _, model, _ = files
+    _, _, smolvlm_projector = smolvlm_files
+    with pytest.raises(ModelLoadError, match="vocabulary has no <image>"):
+        tiny_engine(model, mmproj=str(smolvlm_projector))  # SmolVLM's, beside Gemma 3
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(ModelLoadError, match="projector"):
+        tiny_engine(model, mmproj=str(junk))

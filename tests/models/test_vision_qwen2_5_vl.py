@@ -14,6 +14,7 @@ import torch
 
 from app.models.source import resolve_model
 from app.protocol import SamplingParams
+from app.protocol.errors import InvalidRequestError
 from app.text.images import ImageLimits, encode_with_images, load_processor
 from tests.helpers import tiny_engine
 from tests.models.vision_checkpoints import save_qwen2_5_vl_checkpoint
@@ -112,3 +113,41 @@ def test_images_between_text_match_transformers(checkpoint, parts, sizes):
     expected = transformers_greedy(checkpoint, ids, inputs)
     assert ours(engine, ids, inputs) == expected
     assert ours(engine, ids, inputs, "again") == expected  # its KV from the prefix cache
+
+
+def test_a_tied_checkpoint_loads_and_matches_transformers(tmp_path):
+    """Qwen2.5-VL-3B ties its embeddings, said on the outer config only: no lm_head."""
+    checkpoint = save_qwen2_5_vl_checkpoint(tmp_path, tied=True)
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        assert not any("lm_head" in k for k in f.keys())  # noqa: SIM118
+    processor = load_processor(resolve_model(str(checkpoint)))
+    ids, inputs = prompt(processor, ["Describe", None], [png(40, (60, 90))])
+    engine = tiny_engine(checkpoint, num_kv_blocks=128)
+    assert ours(engine, ids, inputs) == transformers_greedy(checkpoint, ids, inputs)
+
+
+def test_raw_prompts_wrap_an_image_as_the_template_does(checkpoint):
+    """llama.cpp's media marker in a raw prompt: the vision start and end tokens around
+    the image's pads, as Qwen's template writes them (and llama.cpp's mtmd)."""
+    processor = load_processor(resolve_model(str(checkpoint)))
+    image = png(41, (60, 90))
+    raw, _ = encode_with_images(
+        processor, "Describe <__media__> now", [image], ImageLimits(), "<__media__>"
+    )
+    written = "Describe <|vision_start|><|image_pad|><|vision_end|> now"
+    templated, _ = encode_with_images(processor, written, [image], ImageLimits())
+    assert raw == templated
+
+
+def test_big_photos_are_scaled_down_to_the_token_budget(checkpoint):
+    from PIL import Image
+
+    processor = load_processor(resolve_model(str(checkpoint)), limits=ImageLimits(max_tokens=24))
+    photo = io.BytesIO()
+    Image.new("RGB", (4032, 3024), (120, 30, 200)).save(photo, "PNG")  # a phone's size
+    _, inputs = prompt(processor, [None], [photo.getvalue()])
+    assert 0 < inputs[0].length <= 24
+    with pytest.raises(InvalidRequestError, match="refused an image"):  # its aspect ratio
+        prompt(processor, [None], [png(43, (2, 1000))])

@@ -181,7 +181,7 @@ QWEN_TEMPLATE = (
 )
 
 
-def save_qwen2_5_vl_checkpoint(directory: Path) -> Path:
+def save_qwen2_5_vl_checkpoint(directory: Path, tied: bool = False) -> Path:
     """Qwen2.5-VL-3B's layout scaled down: windows of 2 x 2 merged tokens (so an image of
     a few patches spans several), one full-attention layer of two, M-RoPE bands of the
     real proportions; SmolLM2's tokenizer with Qwen's vision tokens, and Qwen's image
@@ -230,7 +230,7 @@ def save_qwen2_5_vl_checkpoint(directory: Path) -> Path:
         ),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,  # Qwen2.5-VL-3B's: on the outer config only
         eos_token_id=end,
     )
     torch.manual_seed(0)

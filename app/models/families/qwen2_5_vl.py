@@ -4,6 +4,7 @@
 loads the checkpoint's `visual.*` itself. For text, the three positions are alike and the
 rotation is plain RoPE's; the engine gives an image's tokens theirs (app/engine/mrope.py)."""
 
+import copy
 from typing import Any
 
 import torch
@@ -14,7 +15,13 @@ ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": True}
 
 
 def language_config(hf_config: Any) -> Any:
-    return getattr(hf_config, "text_config", None) or hf_config
+    text = getattr(hf_config, "text_config", None) or hf_config
+    if text is not hf_config and getattr(hf_config, "tie_word_embeddings", False):
+        # transformers 5 keeps a tied checkpoint's flag (Qwen2.5-VL-3B's) on the outer
+        # config only, and the checkpoint then has no lm_head
+        text = copy.copy(text)
+        text.tie_word_embeddings = True
+    return text
 
 
 def read(hf_config: Any, fields: dict[str, Any]) -> dict[str, Any]:

@@ -49,14 +49,23 @@ def _from_mmproj(
     source: ModelSource, hf_config: Any, path: str, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     kind, meta, reader = mmproj.read_mmproj(path, source.name)
+    config = mmproj.model_config(kind, meta, 0, source.name)
+    hidden = getattr(getattr(hf_config, "text_config", None) or hf_config, "hidden_size", None)
+    if hidden is not None and config.text_config.hidden_size != hidden:
+        raise ModelLoadError(
+            source.name,
+            f"the projector's rows are {config.text_config.hidden_size} wide, the model's "
+            f"hidden size {hidden}: it is another model's projector",
+        )
     if source.is_gguf:  # the token the processor writes, in the model's own vocabulary
         where = source.directory / str(source.gguf_file)
         token = mmproj.special_token_id(where, mmproj.image_token(kind), source.name)
     else:
         token = int(hf_config.image_token_id)
+    config.image_token_id = token
     encoder = gemma3.Gemma3Vision if kind == "gemma3" else idefics3.Idefics3Vision
     with torch.device("meta"):
-        vision = encoder(mmproj.model_config(kind, meta, token))
+        vision = encoder(config)
     return _filled(vision, mmproj.state_of(kind, reader, source.name), source, dtype, device)
 
 

@@ -52,11 +52,9 @@ def read_mmproj(path: str | Path, model: str) -> tuple[str, dict[str, Any], Any]
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(model, f"cannot read the projector file {path}: {exc}") from exc
-    meta = {
-        name: field.contents() for name, field in reader.fields.items() if name.startswith("clip.")
-    }
+        meta = {n: f.contents() for n, f in reader.fields.items() if n.startswith("clip.")}
+    except (OSError, ValueError, IndexError, KeyError) as exc:
+        raise ModelLoadError(model, f"cannot read the projector file {path}: {exc!r}") from exc
     kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
     if kind not in _PROJECTORS:
         served = ", ".join(SERVED)
@@ -69,8 +67,15 @@ def image_token(kind: str) -> str:
     return _PROJECTORS[kind][2]
 
 
-def model_config(kind: str, meta: dict[str, Any], image_token_id: int) -> Any:
+def model_config(kind: str, meta: dict[str, Any], image_token_id: int, model: str = "") -> Any:
     """The multimodal config the encoder of `kind` reads, from the file's metadata."""
+    try:
+        return _config(kind, meta, image_token_id)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(model, f"a {kind} projector file without {exc}") from None
+
+
+def _config(kind: str, meta: dict[str, Any], image_token_id: int) -> Any:
     v = "clip.vision."
     size, patch = int(meta[v + "image_size"]), int(meta[v + "patch_size"])
     default = GEMMA3_SCALE if kind == "gemma3" else 2
