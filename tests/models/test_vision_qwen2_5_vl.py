@@ -8,35 +8,23 @@ are shifted by what they saved)."""
 import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from app.models.source import resolve_model
-from app.protocol import SamplingParams
 from app.protocol.errors import InvalidRequestError
 from app.text.images import ImageLimits, encode_with_images, load_processor
 from tests.helpers import tiny_engine
+from tests.models.test_vision_gemma3 import NEW_TOKENS, ours, png
 from tests.models.vision_checkpoints import save_qwen2_5_vl_checkpoint
 
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-NEW_TOKENS = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return save_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl"))
-
-
-def png(seed: int, size: tuple[int, int]) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
 
 
 def prompt(processor, parts: list, images: list[bytes]) -> tuple[list[int], list]:  # noqa: ANN001
@@ -68,15 +56,6 @@ def transformers_greedy(checkpoint: Path, ids: list[int], inputs: list) -> list[
             **extra,
         )
     return out[0, len(ids) :].tolist()
-
-
-def ours(engine, ids: list[int], inputs: list, rid: str = "r") -> list[int]:  # noqa: ANN001
-    engine.add_request(rid, ids, GREEDY, images=inputs)
-    out: list[int] = []
-    while engine.has_work:
-        for delta in engine.step():
-            out += delta.token_ids
-    return out
 
 
 def test_encoder_rows_match_transformers(checkpoint):
