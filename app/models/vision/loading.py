@@ -82,7 +82,10 @@ def _filled(
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ModelLoadError(source.name, f"{len(missing)} image encoder weights missing: {shown}")
-    vision.load_state_dict(state)
+    try:
+        vision.load_state_dict(state)
+    except RuntimeError as exc:  # a tensor of another shape than its config says
+        raise ModelLoadError(source.name, f"image encoder weights do not fit: {exc}") from None
     logger.info("%s: image encoder of %.0fM parameters", source.name, _params(vision) / 1e6)
     return vision.to(dtype).eval().requires_grad_(False)
 
