@@ -220,7 +220,7 @@ def save_qwen2_5_vl_checkpoint(directory: Path, tied: bool = False) -> Path:
             eos_token_id=end,
         ),
         vision_config=dict(
-            depth=2,
+            depth=3,  # llama.cpp names the merger's mlp.2 by block number: 3 or more
             hidden_size=32,
             intermediate_size=64,
             num_heads=2,
