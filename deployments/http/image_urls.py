@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx2
 
-from app.protocol.errors import InvalidRequestError, ShoalError
+from app.protocol.errors import InvalidRequestError
 from app.protocol.outputs import EngineInfo
 from app.text.images import data_url_bytes
 from deployments.images_config import ImagesConfig
@@ -94,12 +94,14 @@ class ImageFetcher:
         return dict(zip(urls, fetched, strict=True))
 
     async def _together(self, urls: list[str]) -> list[bytes]:
+        # gather, not a TaskGroup: the first failure is raised as itself (an except*
+        # clause re-raising it wraps it in a group on Python 3.11 before 3.11.4)
+        tasks = [asyncio.ensure_future(self.fetch(url)) for url in urls]
         try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self.fetch(url)) for url in urls]
-        except* ShoalError as failed:  # the first: the others were cancelled
-            raise failed.exceptions[0] from None
-        return [task.result() for task in tasks]
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # the rest, once one has failed (done ones are untouched)
+                task.cancel()
 
     async def fetch(self, url: str) -> bytes:
         """The bytes at `url`, within the config's bounds; a 400 otherwise."""
