@@ -350,7 +350,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
                 ]
             },
             "messages",
-            "not fetched",  # only data URLs: the server fetches nothing for a client
+            "image input is not supported",  # a text model: nothing is fetched for it
         ),
     ],
 )
