@@ -32,15 +32,22 @@ def files(tmp_path_factory) -> tuple[Path, Path, Path]:
     # llama.cpp's Gemma 3 files fix the layers' pattern: every 6th global
     checkpoint = save_gemma3_vision_checkpoint(root / "hf", num_hidden_layers=6, layer_types=None)
     whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoint)
-    text = transformers.Gemma3ForCausalLM(whole.config.text_config)
-    text.model.load_state_dict(whole.model.language_model.state_dict())
+    language = whole.model.language_model
+    model = language_gguf(checkpoint, whole, language, transformers.Gemma3ForCausalLM, root)
+    return checkpoint, model, write_gemma3_mmproj(checkpoint, root / "mmproj.gguf", exact=True)
+
+
+def language_gguf(checkpoint: Path, whole, language, causal_lm, root: Path) -> Path:  # noqa: ANN001
+    """A multimodal checkpoint's language model (`language` of `whole`) as a GGUF file
+    of the checkpoint's own vocabulary, as llama.cpp's converter writes the text part."""
+    text = causal_lm(whole.config.text_config)
+    text.model.load_state_dict(language.state_dict())
     text.lm_head.load_state_dict(whole.lm_head.state_dict())
     text.save_pretrained(root / "text")
     processor = load_processor(resolve_model(str(checkpoint)))
     size = json.loads((root / "text" / "config.json").read_text())["vocab_size"]
     tokens = processor.tokenizer.convert_ids_to_tokens(list(range(size)))
-    model = write_gguf(root / "text", root / "gemma3.gguf", tokens=tokens)
-    return checkpoint, model, write_gemma3_mmproj(checkpoint, root / "mmproj.gguf", exact=True)
+    return write_gguf(root / "text", root / "model.gguf", tokens=tokens)
 
 
 def test_the_projectors_encoder_gives_the_checkpoints_rows(files, tmp_path):
@@ -97,14 +104,8 @@ def smolvlm_files(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("smolvlm-gguf")
     checkpoint = save_idefics3_checkpoint(root / "hf", processor=True)
     whole = transformers.Idefics3ForConditionalGeneration.from_pretrained(checkpoint)
-    text = transformers.LlamaForCausalLM(whole.config.text_config)
-    text.model.load_state_dict(whole.model.text_model.state_dict())
-    text.lm_head.load_state_dict(whole.lm_head.state_dict())
-    text.save_pretrained(root / "text")
-    processor = load_processor(resolve_model(str(checkpoint)))
-    size = json.loads((root / "text" / "config.json").read_text())["vocab_size"]
-    tokens = processor.tokenizer.convert_ids_to_tokens(list(range(size)))
-    model = write_gguf(root / "text", root / "smolvlm.gguf", tokens=tokens)
+    language = whole.model.text_model
+    model = language_gguf(checkpoint, whole, language, transformers.LlamaForCausalLM, root)
     return checkpoint, model, write_mmproj(checkpoint, root / "mmproj.gguf")
 
 
