@@ -92,6 +92,8 @@ def patch_config(hf_config: Any, reader: Any, model_name: str) -> Any:
         rope = _gemma(c, meta, rope)
     elif meta.arch == "phi3":
         rope = _phi3(c, meta, rope, model_name)
+    elif meta.arch == "qwen2vl":  # 3-D rotary positions: the sections, padded to four
+        rope["mrope_section"] = [int(n) for n in meta.get("rope.dimension_sections") if n]
     c.rope_parameters = rope
     c.eos_token_id = _end_tokens(c.eos_token_id, reader)
     return c

@@ -12,6 +12,7 @@ from app.models.attention import AttentionBackend
 from app.models.cpu_linear import can_prepack, prepack_linears
 from app.models.decoder import DecoderForCausalLM, rotary_tables
 from app.models.families import read_arch_config
+from app.models.gguf_configs import add_gguf_configs
 from app.models.gguf_reader import quick_gguf_reads
 from app.models.parallel import TPGroup, check_divisible
 from app.models.quant.fused_decode import fuse_decode_layers
@@ -49,6 +50,7 @@ def load_hf_config(source: ModelSource) -> Any:
     try:
         if source.is_gguf:
             quick_gguf_reads()
+            add_gguf_configs()
             config = AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
             return patch_gguf_config(config, source)  # what transformers' reader loses
         return AutoConfig.from_pretrained(str(source.directory))

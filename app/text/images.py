@@ -51,8 +51,9 @@ def load_processor(
     llama.cpp's projector file `mmproj`, one made from its metadata over `tokenizer`
     (the model's, copied: a processor may add tokens to it); else None. `limits`: a
     processor that sizes images freely (Qwen's) scales them down to fit its tokens."""
+    max_tokens = (limits or ImageLimits()).max_tokens
     if mmproj is not None:
-        return projector_processor(mmproj, source.name, copy.deepcopy(tokenizer))
+        return projector_processor(mmproj, source.name, copy.deepcopy(tokenizer), max_tokens)
     directory = source.directory
     if source.is_gguf or not any(
         (directory / name).is_file()
@@ -60,7 +61,7 @@ def load_processor(
     ):
         return None
     if _processor_class(directory) in PROCESSOR_CLASSES:
-        return QwenProcessor(directory, (limits or ImageLimits()).max_tokens)
+        return QwenProcessor.from_directory(directory, max_tokens)
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(directory))

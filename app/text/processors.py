@@ -51,17 +51,45 @@ class QwenProcessor(ExpandingProcessor):
 
     around_raw_image = ("<|vision_start|>", "<|vision_end|>")  # what its template writes
 
-    def __init__(self, directory: Path, max_tokens: int) -> None:
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        self.image_processor = AutoImageProcessor.from_pretrained(str(directory))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        token_pixels = (self.image_processor.patch_size * self.image_processor.merge_size) ** 2
-        size = self.image_processor.size
+    def __init__(self, image_processor: Any, tokenizer: Any, max_tokens: int) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        token_pixels = (image_processor.patch_size * image_processor.merge_size) ** 2
+        size = image_processor.size
         size.longest_edge = min(
             size.longest_edge or max_tokens * token_pixels, max_tokens * token_pixels
         )
+
+    @classmethod
+    def from_directory(cls, directory: Path, max_tokens: int) -> "QwenProcessor":
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        images = AutoImageProcessor.from_pretrained(str(directory))
+        return cls(images, AutoTokenizer.from_pretrained(str(directory)), max_tokens)
+
+    @classmethod
+    def from_projector(
+        cls, meta: dict[str, Any], tokenizer: Any, max_tokens: int
+    ) -> "QwenProcessor":
+        """For a GGUF model and its projector file: Qwen's image processor with the
+        projector's patch, merge, mean and std, and llama.cpp's bounds of 8 to 4096
+        tokens an image."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        patch = int(meta["clip.vision.patch_size"])
+        merge = int(meta.get("clip.vision.spatial_merge_size") or 2)
+        token_pixels = (patch * merge) ** 2
+        images = Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 8 * token_pixels, "longest_edge": 4096 * token_pixels},
+            patch_size=patch,
+            merge_size=merge,
+            temporal_patch_size=2,
+            image_mean=list(meta.get("clip.vision.image_mean", [0.5] * 3)),
+            image_std=list(meta.get("clip.vision.image_std", [0.5] * 3)),
+        )
+        return cls(images, tokenizer, max_tokens)
 
     def expansion(self, pixels: dict[str, np.ndarray], index: int) -> str:
         merge = self.image_processor.merge_size**2
@@ -95,14 +123,17 @@ class Gemma3ProjectorProcessor(ExpandingProcessor):
         return self.sequence
 
 
-def projector_processor(path: str, model: str, tokenizer: Any) -> Any:
+def projector_processor(path: str, model: str, tokenizer: Any, max_tokens: int) -> Any:
     """The image processor of a GGUF model beside llama.cpp's projector file at `path`,
-    over the model's `tokenizer`: Gemma 3's as above, or transformers' own Idefics3
-    processor (its class needs no video processor) with the projector's sizes."""
+    over the model's `tokenizer`: Gemma 3's or Qwen's as above, or transformers' own
+    Idefics3 processor (its class needs no video processor) with the projector's sizes."""
     from app.models.vision.mmproj import model_config, read_mmproj
+    from app.models.vision.mmproj_qwen import KIND as QWEN
 
     kind, meta, _ = read_mmproj(path, model)
     config = model_config(kind, meta, 0)
+    if kind == QWEN:
+        return QwenProcessor.from_projector(meta, tokenizer, max_tokens)
     if kind == "gemma3":
         return Gemma3ProjectorProcessor(tokenizer, meta, config.mm_tokens_per_image)
     from transformers import Idefics3Processor

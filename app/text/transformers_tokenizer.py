@@ -15,9 +15,11 @@ def load_transformers_tokenizer(source: ModelSource, chat_template: str | None =
 
     gguf = {"gguf_file": source.gguf_file} if source.is_gguf else {}
     if source.is_gguf:
+        from app.models.gguf_configs import add_gguf_configs
         from app.models.gguf_reader import quick_gguf_reads
 
         quick_gguf_reads()
+        add_gguf_configs()
     return loaded_tokenizer(
         source.name,
         lambda: AutoTokenizer.from_pretrained(str(source.directory), **gguf),

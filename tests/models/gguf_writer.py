@@ -27,6 +27,8 @@ _ARCHS = {
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    # the language model only: the image encoder goes to the projector (mmproj_writer.py)
+    "Qwen2_5_VLForConditionalGeneration": gguf.MODEL_ARCH.QWEN2VL,
 }
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
@@ -38,23 +40,29 @@ def write_gguf(
     qtype: "gguf.GGMLQuantizationType | None" = None,
     expert_qtype: "gguf.GGMLQuantizationType | None" = None,
     tokens: list[str] | None = None,
+    tokenizer: Path | None = None,
 ) -> Path:
     """Convert the checkpoint in `checkpoint` (config.json + model.safetensors) to `path`;
     `extra`: more tensors (GGUF name -> numpy array) written as they are; `qtype`: weight
     matrices quantized to that type (norms and MoE routers stay float32, as llama-quantize
     leaves them), `expert_qtype`: the stacked experts (else float32); `tokens`: the
-    vocabulary's strings (else placeholders)."""
+    vocabulary's strings (else placeholders); `tokenizer`: the directory of a byte-level
+    BPE tokenizer written whole instead, merges and chat template too."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
+    config = {**config, **config.get("text_config", {})}  # a multimodal checkpoint's
     arch = _ARCHS[config["architectures"][0]]
     _check_representable(arch, config)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(checkpoint.name)
     _metadata(writer, arch, config)
-    _vocab(writer, config, tokens)
+    if tokenizer is not None:
+        _bpe_vocab(writer, config, tokenizer)
+    else:
+        _vocab(writer, config, tokens)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tensors = load_file(str(checkpoint / "model.safetensors"))
+    tensors = _language_model(load_file(str(checkpoint / "model.safetensors")))
     for name, tensor in _converted(arch, config, tensors):
         base, _, kind = name.rpartition(".")
         gguf_name = names.get_name(base)
@@ -125,6 +133,8 @@ def _metadata(w: gguf.GGUFWriter, arch: gguf.MODEL_ARCH, c: dict[str, Any]) -> N
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     if c.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    if sections := full.get("mrope_section"):
+        w.add_rope_dimension_sections([*sections, 0, 0, 0, 0][:4])
     if arch == gguf.MODEL_ARCH.LLAMA:
         w.add_vocab_size(c["vocab_size"])
         w.add_rope_dimension_count(head_dim)
@@ -176,6 +186,42 @@ def _vocab(w: gguf.GGUFWriter, c: dict[str, Any], tokens: list[str] | None = Non
     w.add_token_types([gguf.TokenType.NORMAL] * size)
     w.add_bos_token_id(c.get("bos_token_id") or 0)
     w.add_eos_token_id(c.get("eos_token_id", TINY_EOS))
+
+
+def _bpe_vocab(w: gguf.GGUFWriter, c: dict[str, Any], directory: Path) -> None:
+    """A byte-level BPE vocabulary as the converter's `_set_vocab_gpt2` writes it: added
+    tokens are control tokens (special) or user-defined, the merges and special ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(c["vocab_size"]):
+        token = by_id.get(i, f"[PAD{i}]")
+        tokens.append(token)
+        if i not in by_id:
+            types.append(gguf.TokenType.UNUSED)
+        elif token in added:
+            special = decoder[i].special
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")  # what the converter recognises SmolLM2's vocabulary as
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(w)
+
+
+def _language_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's language model under a causal LM's names; else as is."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(("visual.", "model.visual.")):
+            continue
+        out[name.replace("model.language_model.", "model.", 1)] = tensor
+    return out
 
 
 def _converted(arch: gguf.MODEL_ARCH, c: dict[str, Any], tensors: dict[str, torch.Tensor]):

@@ -1,4 +1,4 @@
-"""A tiny Gemma 3 or Idefics3 (SmolVLM) checkpoint's image encoder as llama.cpp's
+"""A tiny Gemma 3, Idefics3 (SmolVLM) or Qwen2.5-VL checkpoint's image encoder as llama.cpp's
 projector file (mmproj), as its converter writes one (`convert_hf_to_gguf.py --mmproj`,
 checked byte for byte against its output for these checkpoints): `clip.*` metadata,
 `v.*`/`mm.*` names, Gemma 3's projector norm stored as 1 + w and its input projection in
@@ -33,6 +33,8 @@ def write_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
+    if config["model_type"] == "qwen2_5_vl":
+        return write_qwen_mmproj(checkpoint, config, path)
     vision = config["vision_config"]
     kind = "gemma3" if config["model_type"] == "gemma3" else "idefics3"
     w = gguf.GGUFWriter(str(path), "clip")
@@ -84,6 +86,67 @@ def write_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
             w.add_tensor(f"v.blk.{layer}.{_NAMES[part]}.{kind}", array)
         else:
             w.add_tensor(f"{_NAMES[base]}.{kind}", array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_QWEN_PARTS = {
+    "attn.proj": "attn_out",
+    "norm1": "ln1",
+    "norm2": "ln2",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_qwen_mmproj(checkpoint: Path, config: dict, path: Path) -> Path:
+    """Qwen2.5-VL's (`qwen2.5vl_merger`): the Conv3d split into one kernel per frame,
+    qkv split into q, k, v; the window size and merge are not written (llama.cpp fixes
+    them: 112 pixels, 2 x 2)."""
+    from safetensors.torch import load_file
+
+    vision = config["vision_config"]
+    pre = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    full = vision["fullatt_block_indexes"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.projection_dim", vision["out_hidden_size"])
+    w.add_uint32("clip.vision.image_size", vision.get("image_size", 560))
+    w.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    w.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    w.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    w.add_uint32("clip.vision.block_count", vision["depth"])
+    w.add_uint32("clip.vision.attention.head_count", vision["num_heads"])
+    w.add_array("clip.vision.image_mean", pre["image_mean"])
+    w.add_array("clip.vision.image_std", pre["image_std"])
+    w.add_string("clip.projector_type", "qwen2.5vl_merger")
+    w.add_bool("clip.use_silu", True)
+    w.add_uint32("clip.vision.n_wa_pattern", full[0] + 1)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", config.get("rms_norm_eps", 1e-6))
+    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        name = name.removeprefix("model.")
+        if not name.startswith("visual."):
+            continue
+        base, _, kind = name.removeprefix("visual.").rpartition(".")
+        if base == "patch_embed.proj":
+            w.add_tensor("v.patch_embd.weight", array[:, :, 0])
+            w.add_tensor("v.patch_embd.weight.1", array[:, :, 1])
+        elif base == "merger.ln_q":
+            w.add_tensor(f"v.post_ln.{kind}", array)
+        elif base.startswith("merger.mlp."):
+            w.add_tensor(f"mm.{base.removeprefix('merger.mlp.')}.{kind}", array)
+        else:
+            layer, _, part = base.removeprefix("blocks.").partition(".")
+            if part == "attn.qkv":
+                for letter, rows in zip("qkv", np.split(array, 3), strict=True):
+                    w.add_tensor(f"v.blk.{layer}.attn_{letter}.{kind}", rows)
+            else:
+                w.add_tensor(f"v.blk.{layer}.{_QWEN_PARTS[part]}.{kind}", array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -181,9 +181,12 @@ QWEN_TEMPLATE = (
 )
 
 
-def save_qwen2_5_vl_checkpoint(directory: Path, tied: bool = False) -> Path:
+def save_qwen2_5_vl_checkpoint(
+    directory: Path, tied: bool = False, window_size: int = 56, max_tokens: int = 16
+) -> Path:
     """Qwen2.5-VL-3B's layout scaled down: windows of 2 x 2 merged tokens (so an image of
-    a few patches spans several), one full-attention layer of two, M-RoPE bands of the
+    a few patches spans several; `window_size` 112, the real size, for llama.cpp, which
+    fixes it), images of 4 to `max_tokens` tokens, one full-attention layer of two, M-RoPE bands of the
     real proportions; SmolLM2's tokenizer with Qwen's vision tokens, and Qwen's image
     processor (patches of 14, merged 2 x 2) saved as Qwen2_5_VLProcessor's."""
     import json
@@ -225,7 +228,7 @@ def save_qwen2_5_vl_checkpoint(directory: Path, tied: bool = False) -> Path:
             intermediate_size=64,
             num_heads=2,
             out_hidden_size=64,
-            window_size=56,  # 2 x 2 merged tokens a window
+            window_size=window_size,  # 56: 2 x 2 merged tokens a window
             fullatt_block_indexes=[1],
         ),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
@@ -239,9 +242,9 @@ def save_qwen2_5_vl_checkpoint(directory: Path, tied: bool = False) -> Path:
         model.model.visual.merger.mlp[2].weight.normal_(0.0, 0.5)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(
-        directory
-    )
+    Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * max_tokens
+    ).save_pretrained(directory)
     path = Path(directory) / "preprocessor_config.json"
     saved = json.loads(path.read_text())
     path.write_text(json.dumps({**saved, "processor_class": "Qwen2_5_VLProcessor"}))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from app.models.source import ModelSource
-from app.models.vision import gemma3, idefics3, mmproj, qwen2_5_vl
+from app.models.vision import gemma3, idefics3, mmproj, mmproj_qwen, qwen2_5_vl
 from app.protocol.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,11 @@ def _from_mmproj(
     else:
         token = int(hf_config.image_token_id)
     config.image_token_id = token
-    encoder = gemma3.Gemma3Vision if kind == "gemma3" else idefics3.Idefics3Vision
+    encoder = {
+        "gemma3": gemma3.Gemma3Vision,
+        "idefics3": idefics3.Idefics3Vision,
+        mmproj_qwen.KIND: qwen2_5_vl.Qwen25VLVision,
+    }[kind]
     with torch.device("meta"):
         vision = encoder(config)
     return _filled(vision, mmproj.state_of(kind, reader, source.name), source, dtype, device)

@@ -2,7 +2,7 @@
 beside it, as llama.cpp's converter writes it (`clip.*` metadata, `v.*` and `mm.*`
 tensors). Read into the same encoder modules as the safetensors checkpoints, under their
 names, with the converter's edits undone (Gemma 3's projector norm is stored as 1 + w).
-Served projector types: gemma3 and idefics3 (SmolVLM)."""
+Served projector types: gemma3, idefics3 (SmolVLM) and Qwen2.5-VL's (mmproj_qwen.py)."""
 
 import re
 from pathlib import Path
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.models.vision import mmproj_qwen
 from app.protocol.errors import ModelLoadError
 
 _SIGLIP = {  # llama.cpp's name (its {i} the layer) -> ours under the tower's vision_model
@@ -42,7 +43,7 @@ _PROJECTORS = {  # projector type -> its SigLIP's place, its own tensors, its im
         "<image>",
     ),
 }
-SERVED = tuple(_PROJECTORS)
+SERVED = (*_PROJECTORS, mmproj_qwen.KIND)
 GEMMA3_SCALE = 4  # patches per side pooled into one token's, unless the file says
 
 
@@ -56,7 +57,7 @@ def read_mmproj(path: str | Path, model: str) -> tuple[str, dict[str, Any], Any]
     except (OSError, ValueError, IndexError, KeyError) as exc:
         raise ModelLoadError(model, f"cannot read the projector file {path}: {exc!r}") from exc
     kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
-    if kind not in _PROJECTORS:
+    if kind not in SERVED:
         served = ", ".join(SERVED)
         raise ModelLoadError(model, f"projector type {kind!r} is not served (served: {served})")
     return kind, meta, reader
@@ -64,12 +65,14 @@ def read_mmproj(path: str | Path, model: str) -> tuple[str, dict[str, Any], Any]
 
 def image_token(kind: str) -> str:
     """The token whose places take the encoder's rows, as the model's vocabulary has it."""
-    return _PROJECTORS[kind][2]
+    return mmproj_qwen.IMAGE_TOKEN if kind == mmproj_qwen.KIND else _PROJECTORS[kind][2]
 
 
 def model_config(kind: str, meta: dict[str, Any], image_token_id: int, model: str = "") -> Any:
     """The multimodal config the encoder of `kind` reads, from the file's metadata."""
     try:
+        if kind == mmproj_qwen.KIND:
+            return mmproj_qwen.config(meta, image_token_id)
         return _config(kind, meta, image_token_id)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(model, f"a {kind} projector file without {exc}") from None
@@ -102,8 +105,8 @@ def _config(kind: str, meta: dict[str, Any], image_token_id: int) -> Any:
 
 def state_of(kind: str, reader: Any, model: str) -> dict[str, torch.Tensor]:
     """The file's tensors under the names of the encoder of `kind`."""
-    import gguf
-
+    if kind == mmproj_qwen.KIND:
+        return mmproj_qwen.state_of({t.name: dequantized(t) for t in reader.tensors}, model)
     tower, own, _ = _PROJECTORS[kind]
     state = {}
     for tensor in reader.tensors:
@@ -116,12 +119,19 @@ def state_of(kind: str, reader: Any, model: str) -> dict[str, torch.Tensor]:
                 raise ModelLoadError(model, f"unknown tensor {tensor.name} in a {kind} projector")
             name = _SIGLIP[key].format(i=layer.group(1) if layer else "")
             ours = f"{tower}{name}.{part}"
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weights = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+        weights = dequantized(tensor)
         if tensor.name == "mm.soft_emb_norm.weight":
             weights = weights - 1.0  # stored as 1 + w; the projector adds the 1
         state[ours] = weights
     return state
+
+
+def dequantized(tensor: Any) -> torch.Tensor:
+    """A projector tensor in float32, whatever type the file keeps it in."""
+    import gguf
+
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 
 
 def special_token_id(source_path: Path, token: str, model: str) -> int:
