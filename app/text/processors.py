@@ -72,8 +72,9 @@ class QwenProcessor(ExpandingProcessor):
         cls, meta: dict[str, Any], tokenizer: Any, max_tokens: int
     ) -> "QwenProcessor":
         """For a GGUF model and its projector file: Qwen's image processor with the
-        projector's patch, merge, mean and std, and llama.cpp's bounds of 8 to 4096
-        tokens an image."""
+        projector's patch, merge, mean and std (else CLIP's, Qwen's own), and llama.cpp's
+        bounds of 8 to 4096 tokens an image (at most `max_tokens`)."""
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
@@ -82,12 +83,15 @@ class QwenProcessor(ExpandingProcessor):
         merge = int(meta.get("clip.vision.spatial_merge_size") or 2)
         token_pixels = (patch * merge) ** 2
         images = Qwen2VLImageProcessorPil(
-            size={"shortest_edge": 8 * token_pixels, "longest_edge": 4096 * token_pixels},
+            size={
+                "shortest_edge": min(8, max_tokens) * token_pixels,
+                "longest_edge": 4096 * token_pixels,
+            },
             patch_size=patch,
             merge_size=merge,
             temporal_patch_size=2,
-            image_mean=list(meta.get("clip.vision.image_mean", [0.5] * 3)),
-            image_std=list(meta.get("clip.vision.image_std", [0.5] * 3)),
+            image_mean=list(meta.get("clip.vision.image_mean", OPENAI_CLIP_MEAN)),
+            image_std=list(meta.get("clip.vision.image_std", OPENAI_CLIP_STD)),
         )
         return cls(images, tokenizer, max_tokens)
 
@@ -131,7 +135,7 @@ def projector_processor(path: str, model: str, tokenizer: Any, max_tokens: int) 
     from app.models.vision.mmproj_qwen import KIND as QWEN
 
     kind, meta, _ = read_mmproj(path, model)
-    config = model_config(kind, meta, 0)
+    config = model_config(kind, meta, 0, model)
     if kind == QWEN:
         return QwenProcessor.from_projector(meta, tokenizer, max_tokens)
     if kind == "gemma3":

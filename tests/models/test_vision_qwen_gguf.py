@@ -84,6 +84,12 @@ def test_the_projector_bounds_images_as_llama_cpp_does(files):
     _, small = prompt(made, ["a", None], [png(42, (28, 28))])  # 1 token: scaled up to 8+
     _, big = prompt(made, ["a", None], [png(43, (560, 560))])  # 400 tokens: down to 20
     assert small[0].length >= 8 and big[0].length <= 20
+    made = load_processor(source, str(projector), load_tokenizer(source))  # 8192 allowed
+    _, huge = prompt(made, ["a", None], [png(44, (2240, 2240))])  # 6400 tokens: to 4096
+    assert 3000 < huge[0].length <= 4096
+    tiny = load_processor(source, str(projector), load_tokenizer(source), ImageLimits(max_tokens=4))
+    _, shrunk = prompt(tiny, ["a", None], [png(45, (28, 28))])  # a bound under 8 holds
+    assert shrunk[0].length <= 4
 
 
 def test_a_projector_with_a_part_missing_or_anothers_is_a_load_error(files, tmp_path):
@@ -108,5 +114,5 @@ def test_a_projector_with_a_part_missing_or_anothers_is_a_load_error(files, tmp_
         tiny_engine(model, mmproj=str(tmp_path / "broken.gguf"))
     gemma = tmp_path / "gemma3.gguf"
     write_mmproj(save_gemma3_vision_checkpoint(tmp_path / "gemma3"), gemma)
-    with pytest.raises(ModelLoadError):  # another family's, another width
-        tiny_engine(model, mmproj=str(gemma))
+    with pytest.raises(ModelLoadError, match="vocabulary has no <image_soft_token>"):
+        tiny_engine(model, mmproj=str(gemma))  # another family's

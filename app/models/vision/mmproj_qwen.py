@@ -35,8 +35,8 @@ _QKV = ("attn_q", "attn_k", "attn_v")
 def config(meta: dict[str, Any], image_token_id: int) -> Any:
     v = "clip.vision."
     layers, pattern = int(meta[v + "block_count"]), int(meta[v + "n_wa_pattern"])
-    if pattern < 1:
-        raise ValueError(f"n_wa_pattern {pattern}")
+    # 0: no window attention (every layer full), as llama.cpp reads it
+    full = [i for i in range(layers) if pattern == 0 or (i + 1) % pattern == 0]
     vision = SimpleNamespace(
         hidden_size=int(meta[v + "embedding_length"]),
         intermediate_size=int(meta[v + "feed_forward_length"]),
@@ -48,7 +48,7 @@ def config(meta: dict[str, Any], image_token_id: int) -> Any:
         temporal_patch_size=2,
         in_channels=3,
         window_size=int(meta.get(v + "window_size") or 112),
-        fullatt_block_indexes=[i for i in range(layers) if (i + 1) % pattern == 0],
+        fullatt_block_indexes=full,
         rope_parameters=None,
     )
     return SimpleNamespace(
@@ -83,6 +83,10 @@ def state_of(tensors: dict[str, torch.Tensor], model: str) -> dict[str, torch.Te
         if set(found) != set(order):
             raise ModelLoadError(model, f"a {KIND} projector without all of {', '.join(order)}")
         pieces = [found[p] for p in order]
-        # frames stacked on a new kernel axis; q, k, v rows one after another
-        state[ours] = torch.stack(pieces, dim=2) if "patch" in ours else torch.cat(pieces)
+        try:  # frames stacked on a new kernel axis; q, k, v rows one after another
+            state[ours] = torch.stack(pieces, dim=2) if "patch" in ours else torch.cat(pieces)
+        except RuntimeError as exc:
+            raise ModelLoadError(
+                model, f"a {KIND} projector's {ours} does not fit: {exc}"
+            ) from None
     return state
