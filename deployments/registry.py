@@ -121,8 +121,10 @@ class EngineRegistry:
 RegistryDeployment = serve.deployment(EngineRegistry, name="EngineRegistry")
 
 
-# The second KV tier's figures (app/engine/kv_tier.py), as /metrics shows them.
+# The second KV tier's figures (app/engine/kv_tier.py) and speculative decoding's
+# (app/engine/speculation.py), as /metrics shows them.
 TIER_FIGURES = ("kv_tier_hit_tokens", "kv_tier_bytes", "kv_tier_read_s", "kv_tier_write_s")
+SPEC_FIGURES = ("spec_proposals", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def runtime_info(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> dict:
@@ -139,5 +141,5 @@ def runtime_info(stats: dict[str, Any], previous: dict[str, Any] | None, dt: flo
         "kv_usage": stats["kv_usage"],
         "num_contexts": stats["num_contexts"],
         "tokens_per_s": round(rate, 1),
-        **{key: stats.get(key, 0) for key in TIER_FIGURES},
+        **{key: stats.get(key, 0) for key in (*TIER_FIGURES, *SPEC_FIGURES)},
     }

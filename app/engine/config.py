@@ -18,6 +18,31 @@ if TYPE_CHECKING:
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (app/engine/speculation.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["ngram"] = Field(
+        "ngram", description="'ngram': prompt lookup, proposals from the sequence's own tokens."
+    )
+    num_tokens: int = Field(4, ge=1, le=32, description="Tokens proposed a step at most.")
+    max_ngram: int = Field(3, ge=1, le=16, description="Longest suffix looked up.")
+    min_ngram: int = Field(1, ge=1, le=16, description="Shortest suffix looked up.")
+    max_running: int = Field(
+        4,
+        ge=1,
+        description="Speculate only while at most this many sequences run: a larger batch "
+        "already fills the machine.",
+    )
+
+    @model_validator(mode="after")
+    def _ngrams_ordered(self) -> "SpeculativeConfig":
+        if self.min_ngram > self.max_ngram:
+            raise ValueError("speculative.min_ngram must be at most max_ngram")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -28,7 +53,7 @@ class EngineConfig(BaseModel):
     mmproj: str | None = Field(
         None,
         description="llama.cpp's projector file (mmproj-*.gguf) of a GGUF model: its image "
-        "encoder (served: Gemma 3's and SmolVLM's).",
+        "encoder (served: Gemma 3's, SmolVLM's and Qwen2.5-VL's).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -125,6 +150,11 @@ class EngineConfig(BaseModel):
         "loads the model's vocabulary for the grammar library at start-up.",
     )
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="Speculative decoding for plain greedy requests: null (off) or "
+        "{method: ngram, num_tokens, max_ngram, min_ngram, max_running}.",
+    )
 
     @model_validator(mode="after")
     def _kv_cache_dtype_fits(self) -> "EngineConfig":

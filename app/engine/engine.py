@@ -28,6 +28,7 @@ from app.engine.requests import RequestTable, delta
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledBatch, Scheduler
 from app.engine.sequence import Sequence
+from app.engine.speculation import PromptLookup, split_verified
 from app.engine.stats import EngineStats, num_prefill_tokens
 from app.engine.validation import check_params, checked_token_ids
 from app.models.loader import LoadedModel
@@ -71,6 +72,7 @@ class LLMEngine:
             self.max_model_len,
             self.arch.eos_token_ids,
             reclaim=self.contexts.evict_kv,
+            speculation=PromptLookup.of(config.speculative),
         )
         self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
         self.requests = RequestTable(self.scheduler, self.contexts)
@@ -181,6 +183,8 @@ class LLMEngine:
             s.num_contexts_resident, s.num_context_tokens = c.num_resident, c.num_tokens
             s.num_context_evictions, s.num_context_drops = c.num_evictions, c.num_drops
             s.stalled_s = self.stalled_s
+            if (speculation := self.scheduler.speculation) is not None:
+                s.record_speculation(speculation.counts)
             if self.grammar is not None:
                 s.grammar_mask_steps = self.grammar.mask_steps
                 s.grammar_mask_s = self.grammar.mask_seconds
@@ -255,11 +259,20 @@ class LLMEngine:
         deltas: list[TokenDelta],
         masks: StepMasks | None = None,
     ) -> int:
-        """Sample each due sequence's next token, append it, and add its delta to
-        `deltas`; returns how many sequences were sampled (forks included)."""
-        rows, seqs = self._expand_forks(sampled)
+        """Sample each due sequence's next token (or accept a proposal's: speculation.py),
+        append it, and add its delta to `deltas`; returns how many tokens came out."""
+        verified: list[tuple[Sequence, list[int]]] = []
+        if any(seq.draft for seq in sampled):
+            logits, sampled, verified = split_verified(logits, sampled)
+        extra = 0
+        for seq, picks in verified:
+            if not seq.is_finished:  # else its request failed or was aborted meanwhile
+                tokens = self.scheduler.accept_draft(seq, picks)
+                deltas.append(delta(seq, tokens))
+                extra += len(tokens)
+        rows, seqs = self.requests.expand_forks(sampled)
         if not seqs:
-            return 0
+            return extra
         if rows != list(range(len(sampled))):
             logits = logits[rows]  # (S', vocab): a fork samples from its parent's row
         forbidden = None
@@ -292,7 +305,7 @@ class LLMEngine:
                     self.contexts.settle(seq)
             except Exception as exc:
                 self.requests.fail(seq.request_id, exc)
-        return len(seqs)
+        return len(seqs) + extra
 
     def _advance_matcher(self, seq: Sequence, token: int) -> None:
         """Feed the sampled token to the sequence's grammar; end the output once the
@@ -318,26 +331,6 @@ class LLMEngine:
                 self.requests.fail(seq.request_id, exc)
             self._record_state()
             return self.requests.take_ended()
-
-    def _expand_forks(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """Drop sequences aborted during the forward; fork n > 1 requests at their first
-        token, each child sampling from its parent's logits row."""
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, seq in enumerate(sampled):
-            if seq.is_finished:
-                continue
-            family = self.requests.family(seq.request_id)
-            num_before = len(family)
-            try:
-                self.scheduler.fork_pending(seq, into=family)
-            except Exception as exc:
-                self.requests.fail(seq.request_id, exc)
-                continue
-            for s in (seq, *family[num_before:]):
-                rows.append(row)
-                seqs.append(s)
-        return rows, seqs
 
     def _record_state(self) -> None:
         self.stats.record_state(self.scheduler, self.block_manager, len(self.contexts))

@@ -78,15 +78,19 @@ class InputBatch:
         input_ids: list[int] = []
         for seq, start, n in zip(seqs, starts, counts, strict=True):
             input_ids += seq.token_ids[start : start + n]
+            if seq.draft:  # a proposal after the last token: its rows are all sampled
+                input_ids += seq.draft
         n_arr = np.array(counts, dtype=np.int64)
         ends = np.cumsum(n_arr)  # one past each sequence's last token in the flat batch
         token_rows = np.repeat(np.array(rows, dtype=np.int64), n_arr)
         offsets = np.arange(int(ends[-1])) - np.repeat(ends - n_arr, n_arr)
         positions = np.repeat(np.array(starts, dtype=np.int64), n_arr) + offsets
         lens = [s + n for s, n in zip(starts, counts, strict=True)]
-        due = [i for i, seq in enumerate(seqs) if lens[i] == seq.num_tokens]
+        due = [i for i, seq in enumerate(seqs) if lens[i] == seq.num_tokens + len(seq.draft)]
         layout = (counts, lens, len(decodes))
-        inputs = self._inputs(batch, input_ids, rows, token_rows, positions, layout, ends[due] - 1)
+        inputs = self._inputs(
+            batch, input_ids, rows, token_rows, positions, layout, _rows(seqs, due, ends)
+        )
         inputs.images = step_rows(seqs, starts, counts)
         if (rope := step_positions(seqs, starts, counts, positions)) is not None:
             inputs.positions = torch.from_numpy(np.ascontiguousarray(rope))
@@ -185,3 +189,12 @@ class InputBatch:
         wider = np.zeros((self._tables.shape[0], width), dtype=np.int32)
         wider[:, : self._tables.shape[1]] = self._tables
         self._tables = wider
+
+
+def _rows(seqs: list[Sequence], due: list[int], ends: np.ndarray) -> np.ndarray:
+    """The flat-batch rows sampled: each due sequence's last, and with a proposal, the
+    rows of its last token and each proposed one (in order)."""
+    if not any(seqs[i].draft for i in due):
+        return ends[due] - 1
+    rows = [np.arange(ends[i] - 1 - len(seqs[i].draft), ends[i]) for i in due]
+    return np.concatenate(rows)

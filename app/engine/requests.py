@@ -50,6 +50,26 @@ class RequestTable:
         """A live request's sequences; a fork appends its children here."""
         return self._families[request_id]
 
+    def expand_forks(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """Drop sequences aborted during the forward; fork n > 1 requests at their first
+        token, each child sampling from its parent's logits row."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampled):
+            if seq.is_finished:
+                continue
+            family = self.family(seq.request_id)
+            num_before = len(family)
+            try:
+                self.scheduler.fork_pending(seq, into=family)
+            except Exception as exc:
+                self.fail(seq.request_id, exc)
+                continue
+            for s in (seq, *family[num_before:]):
+                rows.append(row)
+                seqs.append(s)
+        return rows, seqs
+
     @property
     def has_ended(self) -> bool:
         return bool(self._ended)

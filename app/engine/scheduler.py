@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from app.engine.block_manager import BlockManager, CopyOnWrite
 from app.engine.images import chunk_end
 from app.engine.sequence import Sequence, SequenceStatus
+from app.engine.speculation import PromptLookup, accepted_prefix
 from app.protocol.errors import ContextLengthExceededError, InvalidRequestError
 from app.protocol.outputs import FinishReason, SlotInfo
 
@@ -55,10 +56,13 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         reclaim: Callable[[int, Sequence], int] = lambda blocks_wanted, seq: 0,
+        speculation: PromptLookup | None = None,
     ) -> None:
         """`reclaim(n, seq)` frees KV held by persistent contexts (never `seq`'s, which
-        asks for the room) until `n` blocks are free, and returns how many it freed."""
+        asks for the room) until `n` blocks are free, and returns how many it freed.
+        `speculation`: proposals for plain greedy decodes (app.engine.speculation)."""
         self.block_manager = block_manager
+        self.speculation = speculation
         self.reclaim = reclaim
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -144,7 +148,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget) + self._propose(seq, budget)
             if not self._make_room(seq, n, batch):
                 preempted = True
                 continue
@@ -162,6 +166,17 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + min(seq.num_tokens - start, budget)
         return chunk_end(seq.images, start, end) - start if seq.images else end - start
+
+    def _propose(self, seq: Sequence, budget: int) -> int:
+        """Set `seq.draft` (a proposal to verify after its last token, when it decodes and
+        may speculate, and the cache has room without preempting); its length."""
+        seq.draft = []
+        if self.speculation is None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        draft = self.speculation.propose(seq, budget - 1, len(self.running), self.max_model_len)
+        if draft and self.block_manager.can_append(seq, 1 + len(draft)):
+            seq.draft = draft
+        return len(seq.draft)
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest unscheduled running sequences until `seq` fits; False if
@@ -228,6 +243,7 @@ class Scheduler:
         batch.scheduled.add(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft = []
         del self.running[seq]
         self._left.append(seq.seq_id)
         self.block_manager.free(seq)
@@ -237,10 +253,30 @@ class Scheduler:
 
     # ---- after the forward pass ---------------------------------------------------
     def on_computed(self, batch: ScheduledBatch) -> None:
+        """A step's tokens are computed: a proposal's count once accepted (accept_draft)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is SequenceStatus.RUNNING:  # not aborted meanwhile
-                seq.num_computed_tokens += n
+                seq.num_computed_tokens += n - len(seq.draft)
                 self.block_manager.register_computed(seq)
+
+    def accept_draft(self, seq: Sequence, picks: list[int]) -> tuple[int, ...]:
+        """Append the tokens the model's greedy `picks` (one per position of the last
+        token and `seq.draft`) give: the draft up to its first miss, then the pick
+        there, stopping where the sequence finishes. The accepted draft tokens' KV was
+        computed in the step. Returns the tokens appended."""
+        draft, seq.draft = seq.draft, []
+        accepted = accepted_prefix(draft, picks)
+        if self.speculation is not None:
+            self.speculation.record(len(draft), accepted)
+        tokens = (*draft[:accepted], picks[accepted])
+        for i, token in enumerate(tokens):
+            self.append_token(seq, token)
+            if seq.is_finished:
+                return tokens[: i + 1]
+            if i < accepted:
+                seq.num_computed_tokens += 1
+        self.block_manager.register_computed(seq)
+        return tokens
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Append a sampled token; finish the sequence if it should stop."""

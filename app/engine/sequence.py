@@ -53,6 +53,7 @@ class Sequence:
         self.matcher = None  # llguidance's state of a constrained output (app.engine.grammar)
         self.images: list = []  # app.engine.images.SeqImage, by position
         self.rope = None  # app.engine.mrope.RopePositions: 3-D positions (Qwen2.5-VL)
+        self.draft: list[int] = []  # tokens this step verifies after the last (speculation.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 

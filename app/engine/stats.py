@@ -48,6 +48,9 @@ class EngineStats:
     num_generated_tokens: int = 0
     last_step_time_s: float = 0.0
     stalled_s: float = 0.0  # work waiting and nothing scheduled for this long
+    spec_proposals: int = 0  # sequence-steps that verified a proposal (speculation.py)
+    spec_draft_tokens: int = 0  # tokens proposed
+    spec_accepted_tokens: int = 0  # of which the model accepted
     grammar_mask_steps: int = 0  # steps that computed grammar masks (constrained outputs)
     grammar_mask_s: float = 0.0  # their summed mask time (overlapped with the forward)
 
@@ -65,6 +68,12 @@ class EngineStats:
         d["kv_usage"] = self.kv_usage
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
+
+    def record_speculation(self, counts: Any) -> None:
+        """Speculative decoding's counts so far (speculation.SpeculationCounts)."""
+        self.spec_proposals = counts.proposals
+        self.spec_draft_tokens = counts.draft_tokens
+        self.spec_accepted_tokens = counts.accepted_tokens
 
     def record_step(
         self, num_tokens: int, num_seqs: int, num_sampled: int, num_prefill_tokens: int

@@ -58,10 +58,22 @@ class IngressMetrics:
             ),
         }
 
+        # Speculative decoding, totals since the replica started: accepted / draft is the
+        # acceptance rate, 1 + accepted / proposals the tokens a verifying step yields.
+        self.speculation = {
+            key: Gauge(f"shoal_{key}", doc, labels, registry=r)
+            for key, doc in (
+                ("spec_proposals", "Sequence-steps that verified proposed tokens"),
+                ("spec_draft_tokens", "Tokens proposed by speculative decoding"),
+                ("spec_accepted_tokens", "Proposed tokens the model accepted"),
+            )
+        }
+
     def set_replicas(self, engines: list[dict]) -> None:
         """Every live replica's figures, from the registry's last heartbeats; replicas that
         are gone leave the gauges."""
-        for gauge in (self.running, self.waiting, self.kv_usage, *self.tier.values()):
+        figures = {**self.tier, **self.speculation}
+        for gauge in (self.running, self.waiting, self.kv_usage, *figures.values()):
             gauge.clear()
         for engine in engines:
             info = engine["runtime_info"]
@@ -72,7 +84,7 @@ class IngressMetrics:
             self.running.labels(*labels).set(info.get("num_running", 0))
             self.waiting.labels(*labels).set(info.get("num_waiting", 0))
             self.kv_usage.labels(*labels).set(info.get("kv_usage", 0.0))
-            for key, gauge in self.tier.items():
+            for key, gauge in figures.items():
                 gauge.labels(*labels).set(info.get(key, 0))
 
     def render(self) -> bytes:

@@ -34,6 +34,7 @@ def test_runtime_info_rate():
     }
     info = runtime_info(stats, {**stats, "num_generated_tokens": 50}, 2.0)
     assert info["kv_tier_hit_tokens"] == 64 and info["kv_tier_bytes"] == 0  # /metrics
+    assert info["spec_accepted_tokens"] == 0  # no speculation: /metrics shows zeros
     assert info["tokens_per_s"] == 50.0 and info["num_contexts"] == 4
     assert info["kv_usage"] == 0.1  # /metrics shows it per replica
     assert runtime_info(stats, None, 0.0)["tokens_per_s"] == 0.0

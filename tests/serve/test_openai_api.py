@@ -357,6 +357,7 @@ def test_prometheus_metrics(client, base_url):
     assert "shoal_inter_token_latency_seconds_bucket" in text
     assert f'shoal_kv_cache_usage_ratio{{model="{MODEL}"' in text
     assert f'shoal_kv_tier_hit_tokens{{model="{MODEL}"' in text  # the second KV tier's
+    assert f'shoal_spec_accepted_tokens{{model="{MODEL}"' in text  # speculative decoding's
     assert "shoal_prompt_tokens_total" in text
 
 

@@ -1,0 +1,149 @@
+"""Speculative decoding by prompt lookup (app/engine/speculation.py) on the real default
+model, served quantized as on a CPU: greedy output identical with and without it, with
+proposals accepted (so steps yield several tokens); requests that cannot speculate
+(sampled, logprobs, n > 1) beside it unchanged; stops and limits exact; no blocks kept;
+turned off past `max_running` sequences."""
+
+from pathlib import Path
+
+import pytest
+
+from app.engine import EngineConfig, LLMEngine
+from app.engine.config import SpeculativeConfig
+from app.engine.speculation import accepted_prefix, lookup
+from app.protocol.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=96)
+SOURCE = (Path(__file__).parents[2] / "app" / "engine" / "scheduler.py").read_text()[:1500]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_quantized):
+    """(plain, speculating) engines over the same weights, each its own KV cache."""
+
+    def engine(**overrides) -> LLMEngine:  # noqa: ANN003
+        config = EngineConfig(
+            device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.1, **overrides
+        )
+        return LLMEngine(config, loaded=smollm2_quantized.loaded)
+
+    return engine(), engine(speculative=SpeculativeConfig(num_tokens=4, max_running=4))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    """Prompts whose answers copy from them (a repeat, a summary, a list)."""
+    asks = [
+        f"Repeat the following code exactly:\n\n{SOURCE}",
+        "Summarize: The quick brown fox jumps over the lazy dog. The quick brown fox is "
+        "fast. The lazy dog sleeps all day in the sun.",
+        "Write the numbers from 1 to 30, one per line.",
+    ]
+    return [
+        list(
+            smollm2_tokenizer.apply_chat_template(
+                [{"role": "user", "content": ask}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for ask in asks
+    ]
+
+
+def ids(outputs) -> list[list[int]]:  # noqa: ANN001
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_greedy_output_is_the_same_with_proposals_accepted(engines, prompts):
+    plain, spec = engines
+    before = spec.stats_snapshot()
+    generated = 0
+    for prompt in prompts:  # one at a time: each speculates
+        (got,) = ids(spec.generate([prompt], GREEDY))
+        assert [got] == ids(plain.generate([prompt], GREEDY))
+        generated += len(got)
+    stats = spec.stats_snapshot()
+    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    # each answer's first token comes from its prompt's step: the rest took fewer steps
+    steps = stats["num_steps"] - before["num_steps"]
+    assert steps - len(prompts) < 0.8 * (generated - len(prompts))
+    assert spec.block_manager.stats().used == 0
+
+
+def test_requests_that_cannot_speculate_are_unchanged_beside_one_that_does(engines, prompts):
+    plain, spec = engines
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=7, max_tokens=40),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=40),
+        SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=30),
+    ]
+    batch = [prompts[0], prompts[1], prompts[2], prompts[1]]
+    want, got = plain.generate(batch, params), spec.generate(batch, params)
+    for a, b in zip(want, got, strict=True):
+        assert [list(o.token_ids) for o in a.outputs] == [list(o.token_ids) for o in b.outputs]
+    assert got[2].outputs[0].logprobs == want[2].outputs[0].logprobs
+
+
+def test_limits_and_stops_land_where_plain_decoding_puts_them(engines, prompts):
+    plain, spec = engines
+    (full,) = ids(plain.generate([prompts[0]], GREEDY))
+    for params in (
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[full[20]]),
+    ):
+        want, got = plain.generate([prompts[0]], params), spec.generate([prompts[0]], params)
+        assert ids(got) == ids(want)
+        assert got[0].outputs[0].finish_reason == want[0].outputs[0].finish_reason
+    assert (
+        len(ids(spec.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=7)))[0]) == 7
+    )
+
+
+def test_a_full_batch_does_not_speculate(engines, prompts):
+    _, spec = engines
+    before = spec.stats_snapshot()["spec_proposals"]
+    many = [prompts[2]] * 6  # more than max_running from the first step to the last
+    spec.generate(many, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert spec.stats_snapshot()["spec_proposals"] == before
+
+
+def test_preempted_speculating_sequences_give_the_same_output(smollm2_quantized, prompts):
+    def engine(**overrides) -> LLMEngine:  # noqa: ANN003
+        config = EngineConfig(
+            device="cpu",
+            dtype="float32",
+            num_threads=2,
+            num_kv_blocks=40,  # 640 tokens: three long answers do not fit at once
+            **overrides,
+        )
+        return LLMEngine(config, loaded=smollm2_quantized.loaded)
+
+    plain, spec = engine(), engine(speculative=SpeculativeConfig())
+    batch = [prompts[0][:300], prompts[1], prompts[2]]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    assert ids(spec.generate(batch, params)) == ids(plain.generate(batch, params))
+    assert spec.scheduler.num_preemptions > 0
+    assert spec.block_manager.stats().used == 0
+
+
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 9, 2, 3, 4, 5, 6, 1, 2, 3]
+    assert lookup(tokens, range(3, 0, -1), 3) == [9, 9, 2]  # "1 2 3" last seen at 0
+    assert lookup([5, 2, 3, 7, 8, 2, 3], range(2, 0, -1), 2) == [7, 8]
+    assert lookup([4, 2, 3, 7, 8, 2, 3], range(3, 2, -1), 2) == []  # no 3-gram repeats
+    assert lookup([7], range(3, 0, -1), 4) == []
+    assert lookup([1, 2, 1], range(1, 0, -1), 5) == [2, 1]  # up to what there is
+
+
+def test_accepted_prefix_stops_at_the_first_miss():
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_prefix([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_prefix([5], [4, 5]) == 0
+
+
+def test_the_config_refuses_reversed_ngram_bounds():
+    with pytest.raises(ValueError, match="min_ngram"):
+        SpeculativeConfig(min_ngram=4, max_ngram=2)
