@@ -261,12 +261,14 @@ class LLMEngine:
     ) -> int:
         """Sample each due sequence's next token (or accept a proposal's: speculation.py),
         append it, and add its delta to `deltas`; returns how many tokens came out."""
-        verified: list[tuple[Sequence, list[int]]] = []
+        verified: list[tuple[Sequence, list[int] | Exception]] = []
         if any(seq.draft for seq in sampled):
-            logits, sampled, verified = split_verified(logits, sampled)
+            logits, sampled, verified = split_verified(logits, sampled, self.sampler.sample_each)
         extra = 0
         for seq, picks in verified:
-            if not seq.is_finished:  # else its request failed or was aborted meanwhile
+            if isinstance(picks, Exception):
+                self.requests.fail(seq.request_id, picks)
+            elif not seq.is_finished:  # else its request failed or was aborted meanwhile
                 tokens = self.scheduler.accept_draft(seq, picks)
                 deltas.append(delta(seq, tokens))
                 extra += len(tokens)

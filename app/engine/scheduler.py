@@ -260,8 +260,8 @@ class Scheduler:
                 self.block_manager.register_computed(seq)
 
     def accept_draft(self, seq: Sequence, picks: list[int]) -> tuple[int, ...]:
-        """Append the tokens the model's greedy `picks` (one per position of the last
-        token and `seq.draft`) give: the draft up to its first miss, then the pick
+        """Append the tokens the sampler's `picks` (one per position of the last token
+        and `seq.draft`) give: the draft up to its first miss, then the pick
         there, stopping where the sequence finishes. The accepted draft tokens' KV was
         computed in the step. Returns the tokens appended."""
         draft, seq.draft = seq.draft, []

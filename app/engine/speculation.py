@@ -1,16 +1,25 @@
-"""Speculative decoding by prompt lookup (n-gram): a greedy sequence whose last tokens
-appeared earlier in its own tokens (a summary quoting its source, an edit copying code)
-is proposed the tokens that followed them there. The step computes the sequence's last
-token and the proposal as one chunk, with logits at each of them; the model's own greedy
-pick at each position accepts the proposal up to its first miss, and the pick there (or
-after the whole proposal) is one more token. So a step yields 1 to k + 1 tokens, each
-the token plain decoding would have picked after the same prefix.
+"""Speculative decoding by prompt lookup (n-gram): a sequence whose last tokens appeared
+earlier in its own tokens (a summary quoting its source, an edit copying code) is
+proposed the tokens that followed them there. The step computes the sequence's last
+token and the proposal as one chunk, with logits at each of them; the sampler picks at
+each position as it would for plain decoding, the proposal is accepted up to its first
+position whose pick differs, and the pick there (or after the whole proposal) is one
+more token. So a step yields 1 to k + 1 tokens.
 
-Only plain greedy sequences speculate (no logprobs, penalties, bias, grammar, forks,
-contexts); the rest decode as before, in the same batch. Speculation runs only while at
+Greedy, the picks are plain decoding's. Sampled, this is speculative sampling's rule
+for a proposal that is one token for sure (a point mass q): accept the proposed d with
+probability min(1, p(d) / q(d)) = p(d), else draw from the residual max(0, p - q),
+which is p without d, renormalised. Drawing x ~ p and accepting iff x == d does both at
+once: d comes out with probability p(d), any other y with p(y). So the output has plain
+decoding's distribution, position after position.
+
+Only plain sequences speculate: greedy or unseeded (a seeded draw must not depend on
+whether the batch let it speculate), without logprobs, penalties, bias, grammar, forks
+or contexts; the rest decode as before, in the same batch. Speculation runs only while at
 most `max_running` sequences run: a batch that is already large fills the machine, and
 verifying proposals would cost more tokens of compute than it saves steps."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +73,7 @@ class PromptLookup:
 def eligible(seq: Sequence) -> bool:
     p = seq.params
     return (
-        p.greedy
+        (p.greedy or seq.generator is None)  # a seeded draw must not depend on the batch
         and p.n == 1
         and p.logprobs is None
         and not p.logit_bias
@@ -99,7 +108,7 @@ def lookup(tokens: list[int], ngrams: range, limit: int) -> list[int]:
 
 
 def accepted_prefix(draft: list[int], picks: list[int]) -> int:
-    """How many of `draft` the model's picks (one per position, len(draft) + 1) accept."""
+    """How many of `draft` the sampler's picks (one per position, len(draft) + 1) accept."""
     for i, token in enumerate(draft):
         if picks[i] != token:
             return i
@@ -107,10 +116,11 @@ def accepted_prefix(draft: list[int], picks: list[int]) -> int:
 
 
 def split_verified(
-    logits: torch.Tensor, sampled: list[Sequence]
-) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, list[int]]]]:
+    logits: torch.Tensor, sampled: list[Sequence], sample_each: Callable[..., list]
+) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, list[int] | Exception]]]:
     """The step's logits rows split: (the rows and sequences sampled as usual, and each
-    sequence that carried a proposal with its greedy picks, one per position)."""
+    sequence that carried a proposal with its picks, one per position, as the sampler
+    picks for it (`sample_each(rows, seqs)`); an exception where sampling it failed)."""
     keep_rows: list[int] = []
     keep: list[Sequence] = []
     spans: list[tuple[Sequence, int, int]] = []
@@ -123,10 +133,13 @@ def split_verified(
             keep_rows.append(row)
             keep.append(seq)
         row += width
-    picked = logits[torch.cat([torch.arange(a, b) for _, a, b in spans])]
-    picks = picked.argmax(dim=-1).tolist()  # as the sampler's greedy rows
-    verified, at = [], 0
+    rows = logits[torch.cat([torch.arange(a, b) for _, a, b in spans])]
+    picks = sample_each(rows, [seq for seq, a, b in spans for _ in range(b - a)])
+    verified: list[tuple[Sequence, list[int] | Exception]] = []
+    at = 0
     for seq, a, b in spans:
-        verified.append((seq, picks[at : at + b - a]))
+        mine = picks[at : at + b - a]
+        failed = next((p for p in mine if isinstance(p, Exception)), None)
+        verified.append((seq, failed or [token for token, _ in mine]))
         at += b - a
     return logits[keep_rows], keep, verified

@@ -147,3 +147,45 @@ def test_accepted_prefix_stops_at_the_first_miss():
 def test_the_config_refuses_reversed_ngram_bounds():
     with pytest.raises(ValueError, match="min_ngram"):
         SpeculativeConfig(min_ngram=4, max_ngram=2)
+
+
+def test_sampled_output_keeps_plain_decodings_distribution():
+    """Speculative sampling on a small vocabulary: every position's distribution p is
+    fixed, the proposal is [0, 1]; the first token must come out as p, the second (after
+    an accepted 0) as p again, not as the proposal."""
+    import numpy as np
+    import torch
+
+    from app.engine.sampler import Sampler
+    from app.engine.sequence import Sequence
+    from app.engine.speculation import split_verified
+
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    n = 6000
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], params) for i in range(n)]
+    for seq in seqs:
+        seq.draft = [0, 1]
+    logits = torch.tensor(np.log(p), dtype=torch.float32).repeat(3 * n, 1)
+    sampler = Sampler(4, eos_token_ids=(), seed=0)
+    _, _, verified = split_verified(logits, seqs, sampler.sample_each)
+    outputs = []
+    for seq, picks in verified:
+        accepted = accepted_prefix(seq.draft, picks)
+        outputs.append([*seq.draft[:accepted], picks[accepted]])
+    first = np.bincount([o[0] for o in outputs], minlength=4)
+    second = np.bincount([o[1] for o in outputs if o[0] == 0], minlength=4)
+    # Pearson's chi-square, 3 degrees of freedom: above 16.27 once in a thousand runs
+    for counts in (first, second):
+        expected = p * counts.sum()
+        assert ((counts - expected) ** 2 / expected).sum() < 16.27, counts
+    assert sum(len(o) for o in outputs) > 1.5 * n  # proposals were accepted
+
+
+def test_unseeded_sampled_requests_speculate(engines, prompts):
+    _, spec = engines
+    before = spec.stats_snapshot()["spec_proposals"]
+    params = SamplingParams(temperature=0.5, max_tokens=60, ignore_eos=True)
+    (out,) = spec.generate([prompts[0]], params)
+    assert len(out.outputs[0].token_ids) == 60
+    assert spec.stats_snapshot()["spec_proposals"] > before
