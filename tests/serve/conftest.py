@@ -53,6 +53,8 @@ def serve_app(slot_dir):
                         "max_ongoing_requests": 2,
                         "max_queued_requests": 1,
                         "slot_save_path": str(slot_root),
+                        # served with speculative decoding (test_openai_api.py)
+                        "engine": {"speculative": {"method": "ngram"}},
                     }
                 ],
             }

@@ -397,3 +397,37 @@ def test_overload_answers_503_with_retry_after(base_url):
             assert payload["error"]["code"] == "overloaded"
     after = httpx.post(url, json={**body, "stream": False}, headers=headers, timeout=120)
     assert after.status_code == 200
+
+
+def test_speculative_decoding_through_serve(base_url):
+    """The secured app's model speculates (prompt lookup: tests/serve/conftest.py). A
+    greedy stream of an answer that copies its prompt is the default app's answer, token
+    for token, though its steps yield several tokens; /metrics counts the proposals."""
+    ask = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta, alpha beta gamma."
+    messages = [{"role": "user", "content": ask}]
+    plain = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    want = plain.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0
+    )
+    secured = openai.OpenAI(base_url=f"{base_url}/secured/v1", api_key="sk-test-1", max_retries=0)
+    stream = secured.chat.completions.create(
+        model="secured-model",
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+    deadline, accepted = time.time() + 20, 0.0
+    while time.time() < deadline and not accepted:  # figures come with heartbeats
+        metrics = httpx.get(
+            f"{base_url}/secured/metrics", headers={"Authorization": "Bearer sk-test-1"}
+        ).text
+        lines = [ln for ln in metrics.splitlines() if ln.startswith("shoal_spec_accepted_tokens{")]
+        accepted = sum(float(ln.split()[-1]) for ln in lines)
+        time.sleep(0.5)
+    assert accepted > 0
