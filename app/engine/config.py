@@ -152,7 +152,8 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seeds the sampler for requests that bring no seed.")
     speculative: SpeculativeConfig | None = Field(
         None,
-        description="Speculative decoding for plain greedy requests: null (off) or "
+        description="Speculative decoding for plain requests (greedy or unseeded, no "
+        "logprobs, penalties or grammar): null (off) or "
         "{method: ngram, num_tokens, max_ngram, min_ngram, max_running}.",
     )
 

@@ -72,7 +72,7 @@ class LLMEngine:
             self.max_model_len,
             self.arch.eos_token_ids,
             reclaim=self.contexts.evict_kv,
-            speculation=PromptLookup.of(config.speculative),
+            speculation=PromptLookup.of(config.speculative, self.arch.vocab_size),
         )
         self.sampler = Sampler(self.arch.vocab_size, self.arch.eos_token_ids, config.seed)
         self.requests = RequestTable(self.scheduler, self.contexts)

@@ -60,7 +60,7 @@ class Scheduler:
     ) -> None:
         """`reclaim(n, seq)` frees KV held by persistent contexts (never `seq`'s, which
         asks for the room) until `n` blocks are free, and returns how many it freed.
-        `speculation`: proposals for plain greedy decodes (app.engine.speculation)."""
+        `speculation`: proposals for plain decodes (app.engine.speculation)."""
         self.block_manager = block_manager
         self.speculation = speculation
         self.reclaim = reclaim
@@ -169,12 +169,15 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, budget: int) -> int:
         """Set `seq.draft` (a proposal to verify after its last token, when it decodes and
-        may speculate, and the cache has room without preempting); its length."""
+        may speculate, and the cache keeps a block for every running sequence besides:
+        a proposal never preempts one, nor takes a context's KV); its length."""
         seq.draft = []
         if self.speculation is None or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
         draft = self.speculation.propose(seq, budget - 1, len(self.running), self.max_model_len)
-        if draft and self.block_manager.can_append(seq, 1 + len(draft)):
+        bm = self.block_manager
+        spare = bm.num_free_blocks - len(self.running)  # a block each for the others' steps
+        if draft and bm.blocks_to_append(seq, 1 + len(draft)) <= spare:
             seq.draft = draft
         return len(seq.draft)
 
@@ -266,16 +269,18 @@ class Scheduler:
         computed in the step. Returns the tokens appended."""
         draft, seq.draft = seq.draft, []
         accepted = accepted_prefix(draft, picks)
-        if self.speculation is not None:
-            self.speculation.record(len(draft), accepted)
         tokens = (*draft[:accepted], picks[accepted])
         for i, token in enumerate(tokens):
             self.append_token(seq, token)
             if seq.is_finished:
-                return tokens[: i + 1]
+                tokens = tokens[: i + 1]
+                break
             if i < accepted:
                 seq.num_computed_tokens += 1
-        self.block_manager.register_computed(seq)
+        else:
+            self.block_manager.register_computed(seq)
+        if self.speculation is not None:  # the proposed tokens that came out
+            self.speculation.record(len(draft), min(accepted, len(tokens)))
         return tokens
 
     def append_token(self, seq: Sequence, token_id: int) -> None:

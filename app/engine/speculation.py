@@ -37,16 +37,20 @@ class SpeculationCounts:
 
 
 class PromptLookup:
-    def __init__(self, num_tokens: int, max_ngram: int, min_ngram: int, max_running: int) -> None:
+    def __init__(
+        self, num_tokens: int, max_ngram: int, min_ngram: int, max_running: int, vocab_size: int
+    ) -> None:
         self.num_tokens, self.max_running = num_tokens, max_running
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest match first
+        self.vocab_size = vocab_size
         self.counts = SpeculationCounts()
 
     @classmethod
-    def of(cls, config: SpeculativeConfig | None) -> "PromptLookup | None":
+    def of(cls, config: SpeculativeConfig | None, vocab_size: int) -> "PromptLookup | None":
         if config is None:
             return None
-        return cls(config.num_tokens, config.max_ngram, config.min_ngram, config.max_running)
+        c = config
+        return cls(c.num_tokens, c.max_ngram, c.min_ngram, c.max_running, vocab_size)
 
     def propose(self, seq: Sequence, room: int, num_running: int, max_model_len: int) -> list[int]:
         """Up to `num_tokens` tokens to verify after `seq`'s last, within `room` more
@@ -62,7 +66,11 @@ class PromptLookup:
         )
         if limit <= 0:
             return []
-        return lookup(seq.token_ids, self.ngrams, limit)
+        draft = lookup(seq.token_ids, self.ngrams, limit)
+        # An image's placeholders stand in the tokens as ids past the vocabulary
+        # (app.engine.images): a proposal stops before one.
+        cut = next((i for i, t in enumerate(draft) if t >= self.vocab_size), len(draft))
+        return draft[:cut]
 
     def record(self, proposed: int, accepted: int) -> None:
         self.counts.proposals += 1

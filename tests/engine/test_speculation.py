@@ -27,7 +27,7 @@ def engines(smollm2_quantized):
         )
         return LLMEngine(config, loaded=smollm2_quantized.loaded)
 
-    return engine(), engine(speculative=SpeculativeConfig(num_tokens=4, max_running=4))
+    return engine(), engine(speculative=SpeculativeConfig(num_tokens=4, max_running=5))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,9 @@ def test_requests_that_cannot_speculate_are_unchanged_beside_one_that_does(engin
         SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=30),
     ]
     batch = [prompts[0], prompts[1], prompts[2], prompts[1]]
+    before = spec.stats_snapshot()["spec_proposals"]
     want, got = plain.generate(batch, params), spec.generate(batch, params)
+    assert spec.stats_snapshot()["spec_proposals"] > before  # the greedy one speculated
     for a, b in zip(want, got, strict=True):
         assert [list(o.token_ids) for o in a.outputs] == [list(o.token_ids) for o in b.outputs]
     assert got[2].outputs[0].logprobs == want[2].outputs[0].logprobs
@@ -189,3 +191,71 @@ def test_unseeded_sampled_requests_speculate(engines, prompts):
     (out,) = spec.generate([prompts[0]], params)
     assert len(out.outputs[0].token_ids) == 60
     assert spec.stats_snapshot()["spec_proposals"] > before
+
+
+def test_a_proposal_stops_before_an_images_placeholders(tmp_path):
+    """An image's placeholders stand in a prompt as ids past the vocabulary: a proposal
+    copied from before one must stop there (else the embedding fails the whole step)."""
+    from tests.helpers import tiny_engine
+    from tests.models.test_vision_idefics3 import GLOBAL, IMAGE, VOCAB, build, processed
+    from tests.models.vision_checkpoints import save_idefics3_checkpoint
+
+    checkpoint = save_idefics3_checkpoint(tmp_path, VOCAB, IMAGE)
+    tokens, inputs, _ = build([[1, 5, 9], processed(7, (40, 30)), [17, 3, GLOBAL]])
+    outputs = []
+    for speculative in (None, SpeculativeConfig()):
+        # the prompt's last token alone in a step: it decodes, and may propose
+        engine = tiny_engine(
+            checkpoint,
+            num_kv_blocks=256,
+            max_num_batched_tokens=len(tokens) - 1,
+            speculative=speculative,
+        )
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        engine.add_request("r", tokens, params, images=inputs)
+        out: list[int] = []
+        while engine.has_work:
+            for d in engine.step():
+                assert d.error is None, d.error
+                out += d.token_ids
+        outputs.append(out)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+def test_a_proposal_never_preempts_another_sequence():
+    from app.engine.block_manager import BlockManager
+    from app.engine.scheduler import Scheduler
+    from app.engine.sequence import Sequence
+    from app.engine.speculation import PromptLookup
+
+    for speculation in (None, PromptLookup(4, 3, 1, 4, vocab_size=100)):
+        bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+        scheduler = Scheduler(bm, 8, 64, 1000, (0,), speculation=speculation)
+        params = SamplingParams(temperature=0, max_tokens=10)
+        a = Sequence("a", [5, 6, 7, 8, 9, 5], params)  # its last 5 was seen: 6 7 8 9 next
+        b, c = Sequence("b", [1, 2, 3, 4], params), Sequence("c", [11, 12, 13, 15], params)
+        for seq in (a, b, c):
+            scheduler.add(seq)
+        scheduler.on_computed(scheduler.schedule())  # 4 blocks taken, 2 free
+        for seq, token in ((a, 6), (b, 40), (c, 14)):
+            scheduler.append_token(seq, token)
+        batch = scheduler.schedule()
+        assert len(batch.seqs) == 3 and scheduler.num_preemptions == 0
+
+
+def test_accepted_counts_only_what_came_out():
+    from app.engine.block_manager import BlockManager
+    from app.engine.scheduler import Scheduler
+    from app.engine.sequence import Sequence
+    from app.engine.speculation import PromptLookup
+
+    speculation = PromptLookup(4, 3, 1, 4, vocab_size=100)
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(bm, 8, 64, 1000, (0,), speculation=speculation)
+    seq = Sequence("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10))
+    scheduler.add(seq)
+    scheduler.on_computed(scheduler.schedule())
+    seq.draft = [0, 7, 8, 5]  # its first token is EOS: the sequence ends there
+    assert scheduler.accept_draft(seq, [0, 7, 8, 5, 9]) == (0,)
+    assert seq.is_finished
+    assert (speculation.counts.draft_tokens, speculation.counts.accepted_tokens) == (4, 1)
