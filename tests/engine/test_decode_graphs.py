@@ -167,4 +167,14 @@ def test_static_decode_over_the_triton_kernels(tiny_llama):
     static = tiny_engine(tiny_llama, **settings)
     assert static.runner.use_decode_graphs(capture=False)
     assert static.runner.decode_graphs.tables.shape[1] == static.runner.max_blocks
-    assert _outputs(static, prompts, params) == _outputs(plain, prompts, params)
+    got, want = _outputs(static, prompts, params), _outputs(plain, prompts, params)
+    # The same tokens; a float model's GEMMs over the static path's padded batch may round
+    # differently in the last bits on some CPUs (seen on AVX2: 5e-7 in a logprob).
+    assert [[t for t, _ in out] for out in got] == [[t for t, _ in out] for out in want]
+    for out, ref in zip(got, want, strict=True):
+        for (_, lps), (_, ref_lps) in zip(out, ref, strict=True):
+            for lp, ref_lp in zip(lps, ref_lps, strict=True):
+                assert lp.token_id == ref_lp.token_id
+                assert lp.logprob == pytest.approx(ref_lp.logprob, abs=1e-5)
+                assert [t for t, _ in lp.top] == [t for t, _ in ref_lp.top]
+                assert [v for _, v in lp.top] == pytest.approx([v for _, v in ref_lp.top], abs=1e-5)
