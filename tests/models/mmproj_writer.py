@@ -37,17 +37,17 @@ def write_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
         return write_qwen_mmproj(checkpoint, config, path)
     vision = config["vision_config"]
     kind = "gemma3" if config["model_type"] == "gemma3" else "idefics3"
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
-    w.add_uint32("clip.vision.image_size", vision["image_size"])
-    w.add_uint32("clip.vision.patch_size", vision["patch_size"])
-    w.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
-    w.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
-    w.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
-    w.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w = _clip_writer(
+        path,
+        config["text_config"]["hidden_size"],
+        vision["image_size"],
+        vision["patch_size"],
+        vision["hidden_size"],
+        vision["intermediate_size"],
+        vision["num_hidden_layers"],
+        vision["num_attention_heads"],
+        ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+    )
     w.add_string("clip.projector_type", kind)
     w.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
     if kind == "idefics3":
@@ -86,11 +86,7 @@ def write_mmproj(checkpoint: Path, path: Path, exact: bool = False) -> Path:
             w.add_tensor(f"v.blk.{layer}.{_NAMES[part]}.{kind}", array)
         else:
             w.add_tensor(f"{_NAMES[base]}.{kind}", array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _written(w, path)
 
 
 _QWEN_PARTS = {
@@ -112,17 +108,17 @@ def write_qwen_mmproj(checkpoint: Path, config: dict, path: Path) -> Path:
     vision = config["vision_config"]
     pre = json.loads((checkpoint / "preprocessor_config.json").read_text())
     full = vision["fullatt_block_indexes"]
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_uint32("clip.vision.projection_dim", vision["out_hidden_size"])
-    w.add_uint32("clip.vision.image_size", vision.get("image_size", 560))
-    w.add_uint32("clip.vision.patch_size", vision["patch_size"])
-    w.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
-    w.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
-    w.add_uint32("clip.vision.block_count", vision["depth"])
-    w.add_uint32("clip.vision.attention.head_count", vision["num_heads"])
-    w.add_array("clip.vision.image_mean", pre["image_mean"])
-    w.add_array("clip.vision.image_std", pre["image_std"])
+    w = _clip_writer(
+        path,
+        vision["out_hidden_size"],
+        vision.get("image_size", 560),
+        vision["patch_size"],
+        vision["hidden_size"],
+        vision["intermediate_size"],
+        vision["depth"],
+        vision["num_heads"],
+        (pre["image_mean"], pre["image_std"]),
+    )
     w.add_string("clip.projector_type", "qwen2.5vl_merger")
     w.add_bool("clip.use_silu", True)
     w.add_uint32("clip.vision.n_wa_pattern", full[0] + 1)
@@ -147,6 +143,28 @@ def write_qwen_mmproj(checkpoint: Path, config: dict, path: Path) -> Path:
                     w.add_tensor(f"v.blk.{layer}.attn_{letter}.{kind}", rows)
             else:
                 w.add_tensor(f"v.blk.{layer}.{_QWEN_PARTS[part]}.{kind}", array)
+    return _written(w, path)
+
+
+def _clip_writer(path: Path, projection: int, *sizes: int | tuple) -> gguf.GGUFWriter:
+    """A projector file's writer with the keys every type has, in the converter's order:
+    projection width, image size, patch, width, MLP width, layers, heads, (mean, std)."""
+    image, patch, width, inner, layers, heads, (mean, std) = sizes
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.projection_dim", projection)
+    w.add_uint32("clip.vision.image_size", image)
+    w.add_uint32("clip.vision.patch_size", patch)
+    w.add_uint32("clip.vision.embedding_length", width)
+    w.add_uint32("clip.vision.feed_forward_length", inner)
+    w.add_uint32("clip.vision.block_count", layers)
+    w.add_uint32("clip.vision.attention.head_count", heads)
+    w.add_array("clip.vision.image_mean", mean)
+    w.add_array("clip.vision.image_std", std)
+    return w
+
+
+def _written(w: gguf.GGUFWriter, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
