@@ -27,8 +27,8 @@ ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")  # Ollama names: '/'
 
 LIVE = ("queued", "preparing", "inferring", "cancelling")
 POLL_S = 0.5  # how often a starting alias's application is looked at
-CALL_S = 10.0  # a stop waits this long for a call to Serve under way to return
-REMOVE_WAIT_S = 10.0  # and this long for the application to be gone
+CALL_S = 10.0  # a call to Serve under way returns within this
+STOP_WAIT_S = 8.0  # a stop waits this long in all for its deploy and for the app to go
 
 
 def _log_failure(future: "asyncio.Future[None]") -> None:
@@ -222,11 +222,12 @@ class InferenceManager:
         if item.status in LIVE:
             item.status = "cancelling"
             self._changed(item)
+            deadline = time.monotonic() + STOP_WAIT_S
             task = self.tasks.get(alias)
             if task is not None:  # polling, or in one short call to Serve: it ends soon
-                await asyncio.wait({task}, timeout=CALL_S)
+                await asyncio.wait({task}, timeout=STOP_WAIT_S)
             await self._remove(item)
-            await self._gone(alias, REMOVE_WAIT_S)
+            await self._gone(alias, max(0.0, deadline - time.monotonic()))
             if item.status == "cancelling":
                 item.status = "complete"
                 self._changed(item)

@@ -19,6 +19,10 @@ from deployments.model_deployment import model_deployment
 
 logger = logging.getLogger("ray.serve")
 PICKLE_RETRIES = 5
+# Every starting alias polls its state, each on its own clock: one status call to the
+# controller answers all of them for this long (each alias called it twice a
+# second, which queued a stop's own calls behind theirs on a busy machine).
+STATUS_FRESH_S = 0.25
 
 
 def app_suffix(alias: str) -> str:
@@ -35,6 +39,8 @@ class ServeDeployer:
         # Serve's deploy is not thread-safe: it registers modules for pickling by value
         # and unregisters them, process-wide (two at once: "not registered for pickle").
         self._deploying = threading.Lock()
+        self._status_lock = threading.Lock()
+        self._status: tuple[float, dict[str, Any]] = (0.0, {})
 
     def app_for(self, alias: str) -> str:
         return f"{self.app_name}--{app_suffix(alias)}"
@@ -63,15 +69,26 @@ class ServeDeployer:
     def remove(self, alias: str) -> None:
         """Asks Serve to delete the alias's application; returns before it is gone."""
         serve.delete(self.app_for(alias), _blocking=False)
+        with self._status_lock:  # the next state reads Serve again (DELETING, or gone)
+            self._status = (0.0, {})
 
     def state(self, alias: str) -> tuple[str, str]:
         """(Serve's status of the alias's application, its message); ("", "") when there
         is none."""
-        app = serve.status().applications.get(self.app_for(alias))
+        app = self._applications().get(self.app_for(alias))
         status = "" if app is None else getattr(app.status, "value", str(app.status))
         if status in ("", "NOT_STARTED"):
             return "", ""
         return status, app.message or ""
+
+    def _applications(self) -> dict[str, Any]:
+        """Serve's applications, as one status call made at most STATUS_FRESH_S ago."""
+        with self._status_lock:  # the callers waiting here share the call under way
+            taken, apps = self._status
+            if time.monotonic() - taken > STATUS_FRESH_S:
+                apps = dict(serve.status().applications)
+                self._status = (time.monotonic(), apps)
+            return apps
 
     def is_running(self, alias: str) -> bool:
         return self.state(alias)[0] == "RUNNING"

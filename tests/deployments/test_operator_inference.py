@@ -301,7 +301,7 @@ def stop_during_deploys(tiny, tmp_path, starts: int) -> set[str]:  # noqa: ANN00
 
 
 def test_a_stop_during_a_slow_deploy_leaves_no_application(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(inference, "CALL_S", 0.2)
+    monkeypatch.setattr(inference, "STOP_WAIT_S", 0.2)
     monkeypatch.setattr(inference, "POLL_S", 0.02)
     apps = stop_during_deploys(tiny, tmp_path, 1)
     # The deploy returned after the stop gave up waiting: its application removed again.
@@ -309,7 +309,7 @@ def test_a_stop_during_a_slow_deploy_leaves_no_application(tiny, tmp_path, monke
 
 
 def test_a_stop_does_not_wait_behind_deploys(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(inference, "CALL_S", 0.2)
+    monkeypatch.setattr(inference, "STOP_WAIT_S", 0.2)
     monkeypatch.setattr(inference, "POLL_S", 0.02)
     # As many hanging deploys as Serve's worker threads: the stop's calls have their own.
     apps = stop_during_deploys(tiny, tmp_path, 4)
