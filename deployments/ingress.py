@@ -30,6 +30,7 @@ from app.text.request_template import request_templates_refused
 from app.text.tokenizer import tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
+from deployments.http.adapters import find_adapter, with_named_adapter
 from deployments.http.client_scope import current_client
 from deployments.http.generation import Generation, overloaded, replica_failure
 from deployments.http.guard import Admission
@@ -91,7 +92,8 @@ class Ingress:
 
     # ---- models -------------------------------------------------------------------
     def find_model(self, name: str) -> ModelDeploymentConfig | None:
-        return self.config.model(name) or self.runtime_models.get(name)
+        config = self.config.model(name) or self.runtime_models.get(name)
+        return config or find_adapter(self.served_models(), name)
 
     def served_models(self) -> list[ModelDeploymentConfig]:
         """The configured models, then those started at run time."""
@@ -110,11 +112,10 @@ class Ingress:
         return self.config.models[0].name if not name else self.model(name).name
 
     def served_name(self, name: str | None) -> str:
-        """The model an OpenAI-style request names: its served name for a name or alias.
-        With one model served, a missing or null `model` means that one (as llama.cpp
-        and vLLM take it), and so does any other name unless `strict_model_names` (but
-        not a run-time model's since stopped); with several, a missing one is a 400 and
-        an unknown one a 404."""
+        """The model an OpenAI-style request names (a name, an alias, an adapter's). With
+        one model served, a missing or null `model` means that one (as llama.cpp and vLLM
+        take it), and so does any other name unless `strict_model_names` (not a run-time
+        model's since stopped); with several, a missing one is a 400, an unknown one 404."""
         served = self.served_models()
         found = self.find_model(name) if name else None
         if found is not None:
@@ -162,10 +163,9 @@ class Ingress:
 
     async def ready_models(self, engines: list[dict] | None = None) -> list[ModelDeploymentConfig]:
         """The served models with a replica ready: registered with the EngineRegistry,
-        which a replica does only once its constructor returned (its engine loaded and
-        warmed up, its grammar's vocabulary in). The one answer /v1/models lists and
-        /health waits for. `engines`: the registry's list, when the caller has it.
-        Without a registry (in-process apps), every served model."""
+        which a replica does only once its constructor returned (engine loaded, warmed up,
+        grammar's vocabulary in): what /v1/models lists and /health waits for. `engines`:
+        the registry's list, if the caller has it. No registry (in-process): all served."""
         if self.registry is None:
             return self.served_models()
         if engines is None:
@@ -199,7 +199,7 @@ class Ingress:
         `tag` (the HTTP request id) starts the engine's request id, so every hop's logs
         share it; the suffix keeps it unique when a client reuses an id. `reasoning`:
         how the output splits into thinking and answer (see `reasoning`)."""
-        self.model(model)
+        params = with_named_adapter(self.model(model).name, params)
         rid = f"{tag}.{uuid.uuid4().hex[:8]}"
         request = EngineRequest(rid, list(prompt_ids), params, context, tuple(images))
         timer = TokenTimer(self.metrics, model, len(prompt_ids))

@@ -98,7 +98,7 @@ class BlockManager:
         self.prefix_query_tokens += seq.num_tokens
         if not self.enable_prefix_caching:
             return
-        prev: int | None = None
+        prev = seq.cache_salt
         i = 0
         while i < max_blocks:
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -188,7 +188,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(prev, tokens)

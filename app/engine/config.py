@@ -156,6 +156,15 @@ class EngineConfig(BaseModel):
         "logprobs, penalties or grammar): null (off) or "
         "{method: ngram, num_tokens, max_ngram, min_ngram, max_running}.",
     )
+    max_loras: int = Field(
+        4,
+        ge=0,
+        description="LoRA adapters held at once (least recently used out first); 0: none.",
+    )
+    loras: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at start: name -> PEFT directory.",
+    )
 
     @model_validator(mode="after")
     def _kv_cache_dtype_fits(self) -> "EngineConfig":

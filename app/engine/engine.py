@@ -15,10 +15,11 @@ from collections.abc import Sequence as Seq
 import torch
 
 from app.engine import offline
+from app.engine.adapters import AdapterTable
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.contexts import ContextStore
-from app.engine.grammar import GrammarBackend, StepMasks
+from app.engine.grammar import GrammarBackend, StepMasks, request_matcher
 from app.engine.images import attach as attach_images
 from app.engine.images import encode_due, release_computed
 from app.engine.kv_tier import open_tier
@@ -80,6 +81,7 @@ class LLMEngine:
         if config.structured_outputs:
             eos = self.arch.eos_token_ids
             self.grammar = GrammarBackend(self.source, self.arch.vocab_size, eos)
+        self.adapters = AdapterTable(self.loaded, config.max_loras, config.loras)
         self._failed_forwards = 0  # in a row; past MAX_FAILED_FORWARDS the engine is broken
         self._stalled_since: float | None = None  # work waiting, nothing scheduled
         self.last_step_scheduled = False
@@ -112,11 +114,14 @@ class LLMEngine:
         if context is not None and context.action is ContextAction.FILL:
             params = FILL_PARAMS
         check_params(params, vocab)
-        matcher = self._matcher(params)
+        if params.lora is not None and context is not None:
+            raise InvalidRequestError("a context runs on the base model, not an adapter", "model")
+        matcher = request_matcher(self.grammar, params)
         with self.lock:
             self.requests.check_unused(request_id)
             if context is None:
                 seq = Sequence(request_id, tokens, params, 0, time.monotonic())
+                seq.lora = None if params.lora is None else self.adapters.take(params.lora)
                 seq.matcher = matcher
                 seq.images = seq_images
                 seq.rope = rope_positions(len(tokens), seq_images, self.loaded.vision)
@@ -132,14 +137,11 @@ class LLMEngine:
                     raise
             self.requests.add(seq)
 
-    def _matcher(self, params: SamplingParams):  # noqa: ANN202 (llguidance's LLMatcher)
-        """A constrained request's matcher, built before it is queued, so that a bad
-        schema or grammar is refused (400) rather than failing in a step."""
-        if params.constraint is None:
-            return None
-        if self.grammar is None:
-            raise InvalidRequestError("structured outputs are turned off for this model")
-        return self.grammar.matcher(params.constraint)
+    def set_lora(self, name: str, path: str | None) -> None:
+        """Hold the PEFT adapter at `path` as `name` (InvalidRequestError if it does not
+        fit), or drop it (None); a request under way keeps the adapter it started with."""
+        with self.lock:
+            self.adapters.load(name, path) if path else self.adapters.unload(name)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: its blocks are freed before this returns. False when the

@@ -33,7 +33,7 @@ import torch
 
 from app.models.source import ModelSource
 from app.protocol.errors import InvalidRequestError
-from app.protocol.sampling import Constraint, ConstraintKind
+from app.protocol.sampling import Constraint, ConstraintKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,17 @@ class GrammarBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def request_matcher(grammar: GrammarBackend | None, params: SamplingParams) -> Any:
+    """A constrained request's matcher (llguidance's LLMatcher), built before it is
+    queued, so that a bad schema or grammar is refused (400) rather than failing in a
+    step; None for a request without a constraint."""
+    if params.constraint is None:
+        return None
+    if grammar is None:
+        raise InvalidRequestError("structured outputs are turned off for this model")
+    return grammar.matcher(params.constraint)
 
 
 def _first_line(matcher: Any) -> str:

@@ -20,11 +20,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from app.engine.adapters import step_adapters
 from app.engine.images import both_ways_spans, sees_both_ways, step_rows
 from app.engine.mrope import step_positions
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import BatchLayout
+from app.models.lora import LoraBatch
 
 
 @dataclass
@@ -37,6 +39,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # (S',) int64: rows of the batch whose next token is sampled
     copies: list[tuple[int, int]]  # (src, dst) blocks to copy first (copy-on-write)
     images: tuple[torch.Tensor, torch.Tensor] | None = None  # rows fed encoder rows, those
+    lora: LoraBatch | None = None  # the rows' adapters (never under tensor parallelism)
 
     @property
     def is_all_decode(self) -> bool:
@@ -92,6 +95,7 @@ class InputBatch:
             batch, input_ids, rows, token_rows, positions, layout, _rows(seqs, due, ends)
         )
         inputs.images = step_rows(seqs, starts, counts)
+        inputs.lora = step_adapters(seqs, counts)
         if (rope := step_positions(seqs, starts, counts, positions)) is not None:
             inputs.positions = torch.from_numpy(np.ascontiguousarray(rope))
         if both_ways := both_ways_spans(seqs, starts, counts):
@@ -114,6 +118,7 @@ class InputBatch:
         sampled = seqs if len(due) == len(seqs) else [seqs[i] for i in due]
         layout = ([1] * len(seqs), lens, len(seqs))
         inputs = self._inputs(batch, input_ids, rows, row_arr, pos_arr, layout, logits_rows)
+        inputs.lora = step_adapters(seqs, [1] * len(seqs))
         if any(seq.images for seq in seqs):  # a prompt's last token can be its image's
             inputs.images = step_rows(seqs, positions, [1] * len(seqs))
             if (rope := step_positions(seqs, positions, [1] * len(seqs), pos_arr)) is not None:

@@ -217,7 +217,7 @@ class ModelRunner:
         self._bind_caches()
         if step.copies:
             self._copy_blocks(step.copies)
-        graphable = step.images is None and step.positions.dim() == 1
+        graphable = step.images is None and step.lora is None and step.positions.dim() == 1
         if self.decode_graphs is not None and graphable and self.decode_graphs.fits(step):
             return self.decode_graphs.run(step)
         metadata = self.backend.build_metadata(step.layout, self.num_kv_heads, self.device)
@@ -230,6 +230,7 @@ class ModelRunner:
             metadata,
             self._to_device(step.logits_rows),
             images,
+            step.lora,
         )
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:

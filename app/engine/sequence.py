@@ -54,12 +54,19 @@ class Sequence:
         self.images: list = []  # app.engine.images.SeqImage, by position
         self.rope = None  # app.engine.mrope.RopePositions: 3-D positions (Qwen2.5-VL)
         self.draft: list[int] = []  # tokens this step verifies after the last (speculation.py)
+        self.lora = None  # the app.models.lora.LoraAdapter it runs with; None: the base
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cache_salt(self) -> int | None:
+        """Where its chain of prefix-cache hashes starts: KV computed with an adapter is
+        that adapter's (that load's) alone."""
+        return None if self.lora is None else hash(("lora", self.lora.uid))
 
     @property
     def num_output_tokens(self) -> int:
@@ -87,7 +94,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
-        child.images, child.rope = self.images, self.rope
+        child.images, child.rope, child.lora = self.images, self.rope, self.lora
         if self.matcher is not None:  # forks happen before the first token: same state
             child.matcher = self.matcher.deep_copy()
         return child

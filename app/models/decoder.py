@@ -18,6 +18,7 @@ from app.models.attention import AttentionBackend, DecodeInputs
 from app.models.cpu_linear import linear_add
 from app.models.dense_mlp import DenseMLP
 from app.models.fused_ops import RopeTables, rms_norm, rotate_heads_
+from app.models.lora import LoraBatch
 from app.models.moe import SparseMoE
 from app.models.parallel import TPGroup, shard_arch, vocab_range
 from app.models.rope import RotaryEmbedding
@@ -50,6 +51,7 @@ class Attention(nn.Module):
         """`arch` holds this shard's head counts (see parallel.shard_arch)."""
         super().__init__()
         self.tp = tp
+        self.layer = layer
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.rotary_dim = arch.rotary_dim or arch.head_dim
@@ -74,11 +76,18 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(
-        self, rope: RopeTables, x: torch.Tensor, attn_metadata: Any, residual: torch.Tensor | None
+        self,
+        rope: RopeTables,
+        x: torch.Tensor,
+        attn_metadata: Any,
+        residual: torch.Tensor | None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """residual + attention(x); without a residual, attention(x) summed over shards."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        if lora is not None:
+            qkv = lora.add(qkv, x, self.layer, "qkv")
         if self.q_norm is not None:
             self._norm_heads(qkv)
         # q and k are adjacent: rotate both in place in one call.
@@ -93,7 +102,10 @@ class Attention(nn.Module):
             q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale, **self.attn_options
         ).reshape(t, self.q_size)
         if residual is None:
-            return self.tp.all_reduce_(self.o_proj(out))
+            o = self.o_proj(out)
+            return self.tp.all_reduce_(o if lora is None else lora.add(o, out, self.layer, "o"))
+        if lora is not None:
+            residual = lora.add(residual, out, self.layer, "o")
         return linear_add_reduce(self.o_proj, out, residual, self.tp)
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -109,6 +121,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer: int, backend: AttentionBackend, tp: TPGroup):
         super().__init__()
         self.tp = tp
+        self.index = layer
         self.local_rope = arch.local_rope_theta is not None and arch.window(layer) > 0
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer, backend, tp)
@@ -128,17 +141,31 @@ class DecoderLayer(nn.Module):
             Callable[[RopeTables, torch.Tensor, DecodeInputs], torch.Tensor] | None
         ) = None
 
-    def forward(self, rope: RopeTables, h: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, rope: RopeTables, h: torch.Tensor, attn_metadata: Any, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
         if self.sandwich:
-            a = self.self_attn(rope, self.input_layernorm(h), attn_metadata, residual=None)
+            a = self.self_attn(rope, self.input_layernorm(h), attn_metadata, None, lora)
             h = h + self.post_attention_layernorm(a)
-            m = self.tp.all_reduce_(self.mlp(self.pre_feedforward_layernorm(h)))
+            m = self.tp.all_reduce_(self._mlp(self.pre_feedforward_layernorm(h), lora))
             return h + self.post_feedforward_layernorm(m)
-        h = self.self_attn(rope, self.input_layernorm(h), attn_metadata, residual=h)
+        h = self.self_attn(rope, self.input_layernorm(h), attn_metadata, h, lora)
         x = self.post_attention_layernorm(h)
         if isinstance(self.mlp, DenseMLP):
-            return linear_add_reduce(self.mlp.down_proj, self.mlp.hidden(x), h, self.tp)
+            if lora is None:
+                return linear_add_reduce(self.mlp.down_proj, self.mlp.hidden(x), h, self.tp)
+            y = self.mlp.hidden(x, lora.add(self.mlp.gate_up(x), x, self.index, "gate_up"))
+            return linear_add_reduce(
+                self.mlp.down_proj, y, lora.add(h, y, self.index, "down"), self.tp
+            )
         return h + self.tp.all_reduce_(self.mlp(x))
+
+    def _mlp(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """This shard's MLP output, with the step's adapters where the MLP is dense."""
+        if lora is None or not isinstance(self.mlp, DenseMLP):
+            return self.mlp(x)
+        y = self.mlp.hidden(x, lora.add(self.mlp.gate_up(x), x, self.index, "gate_up"))
+        return lora.add(self.mlp.down_proj(y), y, self.index, "down")
 
 
 class DecoderModel(nn.Module):
@@ -180,9 +207,12 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: Any,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """`images`: rows of the batch that read an image encoder's rows, and those rows;
-        their ids are past the vocabulary (app.engine.images)."""
+        their ids are past the vocabulary (app.engine.images). `lora`: the adapters of
+        the step's rows (app.models.lora), beside the base weights: the fused decode
+        layers have none."""
         if images is None:
             h = self.embed(input_ids)  # (T, hidden)
         else:
@@ -190,13 +220,14 @@ class DecoderModel(nn.Module):
             h[images[0]] = images[1].to(h.dtype)  # unscaled: Gemma scales only text
         rope = self.rotary.tables(positions)
         local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
-        decodes = self.backend.decode_inputs(attn_metadata) if self.fused_decode else None
+        fused = self.fused_decode and lora is None
+        decodes = self.backend.decode_inputs(attn_metadata) if fused else None
         for layer in self.layers:
             tables = local if layer.local_rope else rope
             if decodes is not None:
                 h = layer.fused_decode(tables, h, decodes)
             else:
-                h = layer(tables, h, attn_metadata)
+                h = layer(tables, h, attn_metadata, lora)
         return self.norm(h)
 
 
@@ -239,8 +270,9 @@ class DecoderForCausalLM(nn.Module):
         attn_metadata: Any,
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        h = self.model(input_ids, positions, attn_metadata, images)
+        h = self.model(input_ids, positions, attn_metadata, images, lora)
         logits = self.tp.gather_last_dim(self.lm_head(h[logits_indices]))
         if logits is None:  # not rank 0: sampling happens there
             return torch.empty(0)

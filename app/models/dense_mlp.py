@@ -28,14 +28,21 @@ class DenseMLP(nn.Module):
         # fused decoder layers call too, where a token must come out the same either way.
         self.exact = True
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """act(gate(x)) * up(x)."""
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """gate(x) | up(x), before the activation."""
         if self.fused is not None:
+            return torch.cat([self.fused[0](x), self.fused[1](x)], dim=-1)
+        return self.gate_up_proj(x)
+
+    def hidden(self, x: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+        """act(gate(x)) * up(x); from `gate_up` when given (gate_up(x) and more: LoRA)."""
+        if gate_up is None and self.fused is not None:
             gate, up = self.fused
             if self.act == "silu":
                 return up.mul(x, gate.swish(x))  # in the GEMM epilogues
             return up.mul(x, activate(gate(x), self.act))
-        gate_up = self.gate_up_proj(x)
+        if gate_up is None:
+            gate_up = self.gate_up_proj(x)
         if self.act == "silu":
             return silu_mul(gate_up, self.intermediate_size, self.exact)
         g, u = gate_up.split(self.intermediate_size, dim=-1)

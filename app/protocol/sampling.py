@@ -62,6 +62,9 @@ class SamplingParams(BaseModel):
         description="Return the chosen token's logprob and this many alternatives.",
     )
     constraint: Constraint | None = None
+    lora: str | None = Field(
+        None, min_length=1, max_length=256, description="The LoRA adapter to run; None: the base."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":

@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
+from deployments.http.adapters import forget_named_adapter, restore_named_adapter
 from deployments.http.caller import caller_of
 
 _client: ContextVar[str] = ContextVar("shoal_client", default="")
@@ -38,7 +39,9 @@ class ClientScope:
             await self.app(scope, receive, send)
             return
         token = _client.set(client_of(HTTPConnection(scope)))
+        adapter = forget_named_adapter()  # a connection's task may run several requests
         try:
             await self.app(scope, receive, send)
         finally:
             _client.reset(token)
+            restore_named_adapter(adapter)

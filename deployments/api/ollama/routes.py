@@ -220,9 +220,10 @@ def _model_name(ingress: Ingress, name: str, action: str = "generate") -> str:
     base = name.removesuffix(":latest")
     if base in ingress.embedding_models():
         raise InvalidRequestError(f'"{name}" does not support {action}', param="model")
-    if ingress.find_model(base) is None:
+    found = ingress.find_model(base)
+    if found is None:
         raise NotFoundError(f"model '{name}' not found", param="model")
-    return base
+    return base if base in (found.name, *found.aliases) else found.name  # an adapter's base
 
 
 def _all_models(ingress: Ingress) -> list[str]:

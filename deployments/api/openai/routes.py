@@ -38,6 +38,9 @@ async def list_models(ingress: IngressDep) -> dict:
     generative = [m.name for m in await ingress.ready_models()]
     embedding = ingress.embedding_models()
     cards = [_card(ingress, name) for name in generative + embedding]
+    cards += [
+        _adapter_card(ingress, n, a) for n in generative for a in ingress.model(n).engine.loras
+    ]
     models = [_entry(name, await _capabilities(ingress, name)) for name in generative]
     models += [_entry(name, ["embedding"]) for name in embedding]
     return {"object": "list", "data": cards, "models": models}
@@ -54,6 +57,12 @@ def _card(ingress: Ingress, name: str) -> dict:
     if name not in ingress.embedding_models() and (aliases := ingress.model(name).aliases):
         card["aliases"] = list(aliases)  # llama.cpp's: other names it answers to
     return card
+
+
+def _adapter_card(ingress: Ingress, base: str, adapter: str) -> dict:
+    """A LoRA adapter, as vLLM lists one: `parent` its base model."""
+    card = {"id": f"{base}:{adapter}", "object": "model", "created": ingress.created}
+    return {**card, "owned_by": "shoal", "parent": base}
 
 
 async def _capabilities(ingress: Ingress, name: str) -> list[str]:

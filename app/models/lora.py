@@ -1,0 +1,197 @@
+"""LoRA adapters beside a model's own weights, never merged into them.
+
+A PEFT adapter adds `scale * B (A x)` to a projection's output, with A (r, in) and
+B (out, r) of a small rank r. Our layers fuse q|k|v and gate|up into one projection each,
+so an adapter is kept the same way: per layer and fused projection one A, the parts' A
+stacked (their ranks summed), and one B, block-diagonal over the parts, the scale folded
+in. Base weights stay as loaded (quantized or prepacked), and a step of rows of different
+adapters runs the base projection once for all rows, then per adapter in the step its
+rows' shrink (x A^T) and expand (. B^T), added to those rows only (S-LoRA's and Punica's
+grouping, in plain torch ops).
+"""
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from app.models.dense_mlp import DenseMLP
+
+# PEFT's module name -> (our fused projection, its part)
+PROJECTIONS = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+KEY = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+_uids = itertools.count(1)
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be read, or does not fit this model."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    rank: int  # the largest of its modules'
+    # per layer: fused projection -> (A (r_sum, in), B (out, r_sum) * scale)
+    layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]
+    # one per load: KV computed with it is keyed by it (a reload may change the weights)
+    uid: int = field(default_factory=lambda: next(_uids))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.layers for ab in layer.values() for t in ab)
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """A step's adapters: each with the rows of the flat batch it runs on (None: all)."""
+
+    groups: tuple[tuple[LoraAdapter, torch.Tensor | None], ...]
+
+    def add(self, base: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
+        """base + each group's adapter applied to x, on its rows; `base` itself when no
+        adapter of the step has that projection."""
+        out = base
+        for adapter, rows in self.groups:
+            ab = adapter.layers[layer].get(proj)
+            if ab is None:
+                continue
+            a, b = ab
+            if out is base:
+                out = base.clone()
+            if rows is None:
+                out.addmm_(x @ a.T, b.T)
+            else:  # shrink and expand over the adapter's rows only
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+        return out
+
+
+def load_peft_adapter(
+    name: str, path: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device
+) -> LoraAdapter:
+    """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) as an adapter
+    of `model` (a DecoderForCausalLM) computing in `dtype` on `device`."""
+    directory = Path(path)
+    config = _read_config(directory)
+    weights_file = directory / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise LoraError(f"{directory} has no adapter_model.safetensors")
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # safetensors' own errors name no common base class
+        raise LoraError(f"{weights_file}: {exc}") from exc
+    modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = KEY.fullmatch(key)
+        if match is None or match.group(2) not in PROJECTIONS:
+            raise LoraError(f"adapter tensor {key!r}: only LoRA on {', '.join(PROJECTIONS)}")
+        modules.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+    if not modules:
+        raise LoraError(f"{weights_file} holds no LoRA weights")
+    if model.tp.enabled:
+        raise LoraError("LoRA adapters do not run with tensor parallelism")
+    layers = model.model.layers
+    fused: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
+    for index, module in modules:
+        if index >= len(layers):
+            raise LoraError(f"layers.{index}.{module}: the model has {len(layers)} layers")
+    for index, layer in enumerate(layers):
+        for proj in ("qkv", "o", "gate_up", "down"):
+            found = {
+                (module, part): modules[(index, module)]
+                for module, (p, part) in PROJECTIONS.items()
+                if p == proj and (index, module) in modules
+            }
+            if found:
+                ab = _fuse(config, index, found, _parts(layer, proj, index))
+                fused[index][proj] = tuple(t.to(device, dtype).contiguous() for t in ab)
+    rank = max(ab["A"].shape[0] for ab in modules.values())  # each has its A (_fuse)
+    return LoraAdapter(name, rank, tuple(fused))
+
+
+def _read_config(directory: Path) -> dict:
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"{directory}: no readable adapter_config.json ({exc})") from exc
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"{directory}: not a LoRA adapter")
+    refused = {
+        "use_dora": bool(config.get("use_dora")),
+        "bias": config.get("bias", "none") != "none",
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+    }
+    if any(refused.values()):
+        raise LoraError(f"{directory}: not supported: {[k for k, v in refused.items() if v]}")
+    return config
+
+
+def _scale(config: dict, module: str, rank: int) -> float:
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?(?:{pattern})", module):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _fuse(
+    config: dict,
+    index: int,
+    found: dict[tuple[str, int], dict[str, torch.Tensor]],
+    sizes: tuple[int, list[int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused projection's (A, B): A the parts' A stacked, B block-diagonal over the
+    parts' outputs, each part's B scaled."""
+    in_size, out_sizes = sizes
+    a_rows, b_blocks = [], []
+    for (module, part), ab in sorted(found.items(), key=lambda kv: kv[0][1]):
+        name = f"layers.{index}.{module}"
+        a, b = ab.get("A"), ab.get("B")
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2:
+            raise LoraError(f"{name}: lora_A and lora_B, two matrices each")
+        r = a.shape[0]
+        if a.shape[1] != in_size or tuple(b.shape) != (out_sizes[part], r):
+            raise LoraError(
+                f"{name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit this model's "
+                f"{in_size} -> {out_sizes[part]} projection"
+            )
+        a_rows.append(a.float())
+        b_blocks.append((sum(out_sizes[:part]), b.float() * _scale(config, name, r)))
+    a = torch.cat(a_rows)
+    b = torch.zeros(sum(out_sizes), a.shape[0])
+    column = 0
+    for row, block in b_blocks:
+        b[row : row + block.shape[0], column : column + block.shape[1]] = block
+        column += block.shape[1]
+    return a, b
+
+
+def _parts(layer: nn.Module, proj: str, index: int) -> tuple[int, list[int]]:
+    """(in features, out features of each part) of a layer's fused projection."""
+    attn = layer.self_attn
+    hidden = layer.input_layernorm.weight.shape[0]
+    if proj == "qkv":
+        return hidden, [attn.q_size, attn.kv_size, attn.kv_size]
+    if proj == "o":
+        return attn.q_size, [hidden]
+    if not isinstance(layer.mlp, DenseMLP):
+        raise LoraError(f"layer {index}'s MLP is a mixture of experts: no LoRA there")
+    inter = layer.mlp.intermediate_size
+    return (hidden, [inter, inter]) if proj == "gate_up" else (inter, [hidden])

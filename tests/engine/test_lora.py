@@ -1,0 +1,174 @@
+"""LoRA adapters (app/models/lora.py, app/engine/adapters.py) on the real default model in
+float32: random PEFT adapters, made by peft itself, each greedy token for token equal to
+transformers + peft; one batch mixing four adapters and the base model equals each run
+alone (the same prompt too, so the prefix cache must keep adapters' KV apart); an
+unknown adapter is a 404, a bad one a 400; at most max_loras held."""
+
+import json
+
+import pytest
+import torch
+
+from app.engine import EngineConfig, LLMEngine
+from app.protocol.errors import InvalidRequestError, NotFoundError
+from app.protocol.sampling import SamplingParams
+from tests.lora_adapters import ATTENTION, MLP, make_adapter
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {  # name -> (seed, LoraConfig settings): ranks, targets and scalings differ
+    "all8": (1, dict(r=8, lora_alpha=16, target_modules=ATTENTION + MLP)),
+    "attn4": (2, dict(r=4, lora_alpha=32, target_modules=ATTENTION)),
+    "mlp16rs": (3, dict(r=16, lora_alpha=8, target_modules=MLP, use_rslora=True)),
+    "qv-pattern": (
+        4,
+        dict(
+            r=8,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            rank_pattern={"down_proj": 2},
+            alpha_pattern={"v_proj": 24},
+        ),
+    ),  # fmt: skip
+}
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2_hf, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("loras")
+    paths = {}
+    for name, (seed, settings) in ADAPTERS.items():
+        paths[name] = root / name
+        make_adapter(smollm2_hf, paths[name], seed, settings)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_engine, adapters) -> LLMEngine:
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        quantization="none",
+        num_threads=2,
+        kv_cache_memory_gib=0.2,
+        loras={name: str(path) for name, path in adapters.items()},
+    )
+    return LLMEngine(config, loaded=smollm2_engine.loaded)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    asks = [
+        "Write a short poem about the sea and the ships that sail on it at night.",
+        "What is the capital of France? Answer in one sentence, then explain why.",
+    ]
+    return [
+        list(
+            smollm2_tokenizer.apply_chat_template(
+                [{"role": "user", "content": ask}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for ask in asks
+    ]
+
+
+def greedy(lora: str | None = None) -> SamplingParams:
+    # min_tokens: EOS masked, as generate masks it with min_new_tokens
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, lora=lora)
+
+
+def hf_greedy(smollm2_hf, adapter_dir, prompt: list[int]) -> list[int]:
+    wrapped = peft.PeftModel.from_pretrained(smollm2_hf, str(adapter_dir))
+    try:
+        with torch.no_grad():
+            out = wrapped.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+            )
+    finally:
+        wrapped.unload()
+    return out[0, len(prompt) :].tolist()
+
+
+def ids(outputs) -> list[list[int]]:  # noqa: ANN001
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_each_adapter_equals_transformers_with_peft(engine, adapters, smollm2_hf, prompts):
+    base = ids(engine.generate(prompts, greedy()))
+    for name, path in adapters.items():
+        ours = ids(engine.generate(prompts, greedy(name)))
+        theirs = [hf_greedy(smollm2_hf, path, p) for p in prompts]
+        assert ours == theirs, name
+        assert ours != base, f"{name} changed nothing: the test would not see it missing"
+
+
+def test_a_batch_of_four_adapters_and_the_base_equals_each_alone(engine, prompts):
+    names = [None, *ADAPTERS]
+    alone = {name: ids(engine.generate(prompts, greedy(name))) for name in names}
+    # Every adapter on both prompts in one batch, each prompt the same tokens for all:
+    # prefix-cache hits across adapters would show as different tokens.
+    batch = [(name, p) for name in names for p in range(len(prompts))]
+    mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
+    assert mixed == [alone[name][p] for name, p in batch]
+
+
+def test_unknown_and_bad_adapters_are_refused(engine, prompts, tmp_path):
+    with pytest.raises(NotFoundError):
+        engine.add_request("x", prompts[0], greedy("nobody"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(InvalidRequestError):
+        engine.set_lora("broken", str(tmp_path))
+    with pytest.raises(InvalidRequestError):
+        engine.set_lora("missing", str(tmp_path / "nowhere"))
+    with pytest.raises(NotFoundError):
+        engine.set_lora("nobody", None)
+    assert "broken" not in engine.adapters.names()
+
+
+def test_an_adapter_of_another_shape_is_refused(engine, tmp_path, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    tiny = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    make_adapter(tiny, tmp_path, 0, dict(r=4, lora_alpha=8, target_modules=ATTENTION))
+    with pytest.raises(InvalidRequestError, match="do not fit"):
+        engine.set_lora("tiny", str(tmp_path))
+
+
+def test_at_most_max_loras_are_held_least_recently_used_out(smollm2_engine, adapters, prompts):
+    config = EngineConfig(
+        device="cpu", dtype="float32", quantization="none", num_threads=2,
+        kv_cache_memory_gib=0.05, max_loras=2,
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded=smollm2_engine.loaded)
+    a, b, c = list(adapters)[:3]
+    engine.set_lora(a, str(adapters[a]))
+    engine.set_lora(b, str(adapters[b]))
+    engine.generate([prompts[0]], greedy(a))  # a is now the most recently used
+    engine.set_lora(c, str(adapters[c]))
+    assert engine.adapters.names() == [a, c]
+    with pytest.raises(NotFoundError):
+        engine.add_request("gone", prompts[0], greedy(b))
+
+
+def test_an_adapter_never_reads_the_base_model_s_cached_prefix(smollm2_engine, adapters, prompts):
+    def fresh() -> LLMEngine:
+        config = EngineConfig(
+            device="cpu", dtype="float32", quantization="none", num_threads=2,
+            kv_cache_memory_gib=0.05, loras={"all8": str(adapters["all8"])},
+        )  # fmt: skip
+        return LLMEngine(config, loaded=smollm2_engine.loaded)
+
+    cold = ids(fresh().generate(prompts, greedy("all8")))
+    warm = fresh()
+    base = ids(warm.generate(prompts, greedy()))
+    assert ids(warm.generate(prompts, greedy("all8"))) == cold
+    assert ids(warm.generate(prompts, greedy())) == base  # nor the base the adapter's
+    assert warm.block_manager.prefix_hit_tokens > 0  # the cache was on, and hit
