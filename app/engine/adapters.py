@@ -35,7 +35,7 @@ class AdapterTable:
         recently used adapter goes when more than max_loras would be held."""
         if self.max_loras < 1:
             raise InvalidRequestError("LoRA adapters are off (engine.max_loras is 0)", "lora")
-        device = self.model.lm_head.weight.device
+        device = self.model.model.norm.weight.device  # a float parameter, quantized or not
         try:
             adapter = load_peft_adapter(name, path, self.model, self.dtype, device)
         except LoraError as exc:

@@ -172,3 +172,22 @@ def test_an_adapter_never_reads_the_base_model_s_cached_prefix(smollm2_engine, a
     assert ids(warm.generate(prompts, greedy("all8"))) == cold
     assert ids(warm.generate(prompts, greedy())) == base  # nor the base the adapter's
     assert warm.block_manager.prefix_hit_tokens > 0  # the cache was on, and hit
+
+
+def test_a_quantized_base_keeps_its_kernels_beside_the_adapters(
+    smollm2_quantized, adapters, prompts
+):
+    """The default GGUF as served on a CPU: its quantized layers (and, for a step of base
+    rows only, its fused decode layers) with adapters beside them."""
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_threads=2, kv_cache_memory_gib=0.05,
+        loras={name: str(path) for name, path in list(adapters.items())[:2]},
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded=smollm2_quantized.loaded)
+    assert engine.loaded.model.model.fused_decode  # the base's decode steps are fused
+    names = [None, *list(adapters)[:2]]
+    alone = {name: ids(engine.generate(prompts, greedy(name))) for name in names}
+    assert alone[names[1]] != alone[None] != alone[names[2]]
+    batch = [(name, p) for name in names for p in range(len(prompts))]
+    mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
+    assert mixed == [alone[name][p] for name, p in batch]
