@@ -199,7 +199,7 @@ class Ingress:
         `tag` (the HTTP request id) starts the engine's request id, so every hop's logs
         share it; the suffix keeps it unique when a client reuses an id. `reasoning`:
         how the output splits into thinking and answer (see `reasoning`)."""
-        params = with_named_adapter(self.model(model).name, params)
+        params = with_named_adapter(model := self.model(model).name, params)
         rid = f"{tag}.{uuid.uuid4().hex[:8]}"
         request = EngineRequest(rid, list(prompt_ids), params, context, tuple(images))
         timer = TokenTimer(self.metrics, model, len(prompt_ids))
@@ -217,14 +217,13 @@ class Ingress:
 
     def handle(self, model: str) -> Any:
         """The model's ModelServer handle (for calls that need to name its deployment)."""
-        self.model(model)
-        return self._calls[model]
+        return self._calls[self.model(model).name]
 
     async def call(self, model: str, method: str, *args: Any) -> Any:
         """A unary call on the model's replicas; the replica's error is raised as itself."""
-        self.model(model)
+        name = self.model(model).name
         try:
-            return await getattr(self._calls[model], method).remote(*args)
+            return await getattr(self._calls[name], method).remote(*args)
         except BackPressureError as exc:
             raise overloaded(exc) from None
         except RayActorError as exc:  # the replica died under the call: 503, retry

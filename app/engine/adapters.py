@@ -10,9 +10,6 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from app.engine.sequence import Sequence
 from app.models.loader import LoadedModel
 from app.models.lora import LoraAdapter, LoraBatch, LoraError, load_peft_adapter
@@ -59,22 +56,24 @@ class AdapterTable:
         return adapter
 
 
+def adapter_order(seqs: Seq[Sequence], indices: list[int]) -> list[int]:
+    """`indices` of `seqs` with the sequences of one adapter next to each other (the base
+    model's first), otherwise in their order."""
+    return sorted(indices, key=lambda i: 0 if seqs[i].lora is None else seqs[i].lora.uid)
+
+
 def step_adapters(seqs: Seq[Sequence], counts: Seq[int]) -> LoraBatch | None:
-    """The step's adapters, each with the flat-batch rows of its sequences' tokens (the
+    """The step's adapters, each with its runs of consecutive flat-batch rows (the
     sequences in batch order, `counts` tokens each); None when none runs one."""
     if all(seq.lora is None for seq in seqs):
         return None
-    ends = np.cumsum(counts)
-    rows: dict[int, list[np.ndarray]] = {}
-    adapters: dict[int, LoraAdapter] = {}
-    for seq, end, n in zip(seqs, ends, counts, strict=True):
+    runs: list[tuple[LoraAdapter, int, int]] = []
+    row = 0
+    for seq, n in zip(seqs, counts, strict=True):
         if seq.lora is not None:
-            adapters[seq.lora.uid] = seq.lora
-            rows.setdefault(seq.lora.uid, []).append(np.arange(end - n, end))
-    total = int(ends[-1])
-    groups = []
-    for uid, adapter in adapters.items():
-        mine = np.concatenate(rows[uid])
-        whole = len(mine) == total  # every row: no gather, no scatter
-        groups.append((adapter, None if whole else torch.from_numpy(mine)))
-    return LoraBatch(tuple(groups))
+            if runs and runs[-1][0] is seq.lora and runs[-1][2] == row:
+                runs[-1] = (seq.lora, runs[-1][1], row + n)
+            else:
+                runs.append((seq.lora, row, row + n))
+        row += n
+    return LoraBatch(tuple(runs))

@@ -167,6 +167,15 @@ class EngineConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _loras_fit(self) -> "EngineConfig":
+        if len(self.loras) > self.max_loras:
+            raise ValueError(f"{len(self.loras)} loras, but max_loras is {self.max_loras}")
+        for name in self.loras:  # 'base:adapter' names them; ':latest' is Ollama's tag
+            if not name or ":" in name or name == "latest":
+                raise ValueError(f"a LoRA adapter's name may not be {name!r} or hold ':'")
+        return self
+
+    @model_validator(mode="after")
     def _kv_cache_dtype_fits(self) -> "EngineConfig":
         # with dtype 'auto' the model's dtype is known only at load (load_runner checks)
         if self.dtype != "auto" and self.kv_cache_dtype != "auto":

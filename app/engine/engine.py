@@ -111,11 +111,11 @@ class LLMEngine:
         seq_images = attach_images(tokens, images, self.loaded.vision, vocab)
         if context is not None and not context.action.generates:
             raise InvalidRequestError(f"a request cannot {context.action} a context")
+        if params.lora is not None and context is not None:
+            raise InvalidRequestError("a context runs on the base model, not an adapter", "model")
         if context is not None and context.action is ContextAction.FILL:
             params = FILL_PARAMS
         check_params(params, vocab)
-        if params.lora is not None and context is not None:
-            raise InvalidRequestError("a context runs on the base model, not an adapter", "model")
         matcher = request_matcher(self.grammar, params)
         with self.lock:
             self.requests.check_unused(request_id)

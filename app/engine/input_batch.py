@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from app.engine.adapters import step_adapters
+from app.engine.adapters import adapter_order, step_adapters
 from app.engine.images import both_ways_spans, sees_both_ways, step_rows
 from app.engine.mrope import step_positions
 from app.engine.scheduler import ScheduledBatch
@@ -67,9 +67,12 @@ class InputBatch:
         for seq_id in batch.left:
             self._release(seq_id)
         decodes = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-        if len(decodes) == len(batch.seqs):
+        adapters = any(seq.lora is not None for seq in batch.seqs)
+        if len(decodes) == len(batch.seqs) and not adapters:
             return self._decode_step(batch)
         prefills = [i for i, n in enumerate(batch.num_new_tokens) if n != 1]
+        if adapters:  # each adapter's rows in runs (app.models.lora)
+            decodes, prefills = (adapter_order(batch.seqs, i) for i in (decodes, prefills))
         # Those that see an image both ways go last: the attention backend's kernels take
         # the others (BatchLayout.both_ways).
         both = [i for i in prefills if sees_both_ways(batch.seqs[i], batch.num_new_tokens[i])]
@@ -118,7 +121,6 @@ class InputBatch:
         sampled = seqs if len(due) == len(seqs) else [seqs[i] for i in due]
         layout = ([1] * len(seqs), lens, len(seqs))
         inputs = self._inputs(batch, input_ids, rows, row_arr, pos_arr, layout, logits_rows)
-        inputs.lora = step_adapters(seqs, [1] * len(seqs))
         if any(seq.images for seq in seqs):  # a prompt's last token can be its image's
             inputs.images = step_rows(seqs, positions, [1] * len(seqs))
             if (rope := step_positions(seqs, positions, [1] * len(seqs), pos_arr)) is not None:

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
         if lora is not None:
-            qkv = lora.add(qkv, x, self.layer, "qkv")
+            qkv = lora.add_(qkv, x, self.layer, "qkv")
         if self.q_norm is not None:
             self._norm_heads(qkv)
         # q and k are adjacent: rotate both in place in one call.
@@ -103,9 +103,9 @@ class Attention(nn.Module):
         ).reshape(t, self.q_size)
         if residual is None:
             o = self.o_proj(out)
-            return self.tp.all_reduce_(o if lora is None else lora.add(o, out, self.layer, "o"))
+            return self.tp.all_reduce_(o if lora is None else lora.add_(o, out, self.layer, "o"))
         if lora is not None:
-            residual = lora.add(residual, out, self.layer, "o")
+            residual = lora.add_(residual, out, self.layer, "o")
         return linear_add_reduce(self.o_proj, out, residual, self.tp)
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -154,9 +154,9 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, DenseMLP):
             if lora is None:
                 return linear_add_reduce(self.mlp.down_proj, self.mlp.hidden(x), h, self.tp)
-            y = self.mlp.hidden(x, lora.add(self.mlp.gate_up(x), x, self.index, "gate_up"))
+            y = self.mlp.hidden(x, lora.add_(self.mlp.gate_up(x), x, self.index, "gate_up"))
             return linear_add_reduce(
-                self.mlp.down_proj, y, lora.add(h, y, self.index, "down"), self.tp
+                self.mlp.down_proj, y, lora.add_(h, y, self.index, "down"), self.tp
             )
         return h + self.tp.all_reduce_(self.mlp(x))
 
@@ -164,8 +164,8 @@ class DecoderLayer(nn.Module):
         """This shard's MLP output, with the step's adapters where the MLP is dense."""
         if lora is None or not isinstance(self.mlp, DenseMLP):
             return self.mlp(x)
-        y = self.mlp.hidden(x, lora.add(self.mlp.gate_up(x), x, self.index, "gate_up"))
-        return lora.add(self.mlp.down_proj(y), y, self.index, "down")
+        y = self.mlp.hidden(x, lora.add_(self.mlp.gate_up(x), x, self.index, "gate_up"))
+        return lora.add_(self.mlp.down_proj(y), y, self.index, "down")
 
 
 class DecoderModel(nn.Module):

@@ -7,7 +7,7 @@ stacked (their ranks summed), and one B, block-diagonal over the parts, the scal
 in. Base weights stay as loaded (quantized or prepacked), and a step of rows of different
 adapters runs the base projection once for all rows, then per adapter in the step its
 rows' shrink (x A^T) and expand (. B^T), added to those rows only (S-LoRA's and Punica's
-grouping, in plain torch ops).
+grouping, in plain torch ops, over runs of rows).
 """
 
 import itertools
@@ -33,9 +33,10 @@ PROJECTIONS = {
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
 }
-KEY = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
-)
+KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.\w+\.(\w+))\.lora_([AB])\.weight")
+# PEFT options that change what an adapter computes, and that these layers do not do
+REFUSED = ("use_dora", "modules_to_save", "fan_in_fan_out", "alora_invocation_tokens",
+           "arrow_config", "use_bdlora", "layer_replication", "megatron_config")  # fmt: skip
 _uids = itertools.count(1)
 
 
@@ -47,7 +48,8 @@ class LoraError(ValueError):
 class LoraAdapter:
     name: str
     rank: int  # the largest of its modules'
-    # per layer: fused projection -> (A (r_sum, in), B (out, r_sum) * scale)
+    # per layer: fused projection -> (A^T (in, r_sum), (B * scale)^T (r_sum, out)), laid out
+    # as the step's two matmuls read them
     layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]
     # one per load: KV computed with it is keyed by it (a reload may change the weights)
     uid: int = field(default_factory=lambda: next(_uids))
@@ -59,26 +61,20 @@ class LoraAdapter:
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """A step's adapters: each with the rows of the flat batch it runs on (None: all)."""
+    """A step's adapters, each with a run of consecutive rows of the flat batch it runs
+    on (the input batch puts a step's sequences of one adapter next to each other, so no
+    row is gathered or scattered)."""
 
-    groups: tuple[tuple[LoraAdapter, torch.Tensor | None], ...]
+    runs: tuple[tuple[LoraAdapter, int, int], ...]  # (adapter, first row, one past last)
 
-    def add(self, base: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
-        """base + each group's adapter applied to x, on its rows; `base` itself when no
-        adapter of the step has that projection."""
-        out = base
-        for adapter, rows in self.groups:
+    def add_(self, base: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
+        """base += each run's adapter applied to x, on its rows, in place (`base` is one
+        of the step's own activations), and returned."""
+        for adapter, start, end in self.runs:
             ab = adapter.layers[layer].get(proj)
-            if ab is None:
-                continue
-            a, b = ab
-            if out is base:
-                out = base.clone()
-            if rows is None:
-                out.addmm_(x @ a.T, b.T)
-            else:  # shrink and expand over the adapter's rows only
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
-        return out
+            if ab is not None:  # shrink, then expand into the rows
+                base[start:end].addmm_(x[start:end] @ ab[0], ab[1])
+        return base
 
 
 def load_peft_adapter(
@@ -96,30 +92,38 @@ def load_peft_adapter(
     except Exception as exc:  # safetensors' own errors name no common base class
         raise LoraError(f"{weights_file}: {exc}") from exc
     modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str], str] = {}  # PEFT's module names, as its patterns match them
     for key, tensor in tensors.items():
         match = KEY.fullmatch(key)
-        if match is None or match.group(2) not in PROJECTIONS:
+        if match is None or match.group(3) not in PROJECTIONS:
             raise LoraError(f"adapter tensor {key!r}: only LoRA on {', '.join(PROJECTIONS)}")
-        modules.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+        at = (int(match.group(2)), match.group(3))
+        modules.setdefault(at, {})[match.group(4)] = tensor
+        names[at] = match.group(1)
     if not modules:
         raise LoraError(f"{weights_file} holds no LoRA weights")
     if model.tp.enabled:
         raise LoraError("LoRA adapters do not run with tensor parallelism")
     layers = model.model.layers
+    if (last := max(index for index, _ in modules)) >= len(layers):
+        raise LoraError(f"layer {last}: the model has {len(layers)} layers")
     fused: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
-    for index, module in modules:
-        if index >= len(layers):
-            raise LoraError(f"layers.{index}.{module}: the model has {len(layers)} layers")
     for index, layer in enumerate(layers):
         for proj in ("qkv", "o", "gate_up", "down"):
             found = {
-                (module, part): modules[(index, module)]
+                (names[at], part): modules[at]
                 for module, (p, part) in PROJECTIONS.items()
-                if p == proj and (index, module) in modules
+                if p == proj and (at := (index, module)) in modules
             }
-            if found:
-                ab = _fuse(config, index, found, _parts(layer, proj, index))
-                fused[index][proj] = tuple(t.to(device, dtype).contiguous() for t in ab)
+            if not found:
+                continue
+            try:
+                ab = _fuse(config, found, _parts(layer, proj, index))
+            except LoraError:
+                raise
+            except (re.error, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
+                raise LoraError(f"layer {index}: {type(exc).__name__}: {exc}") from exc
+            fused[index][proj] = tuple(t.T.to(device, dtype).contiguous() for t in ab)
     rank = max(ab["A"].shape[0] for ab in modules.values())  # each has its A (_fuse)
     return LoraAdapter(name, rank, tuple(fused))
 
@@ -131,18 +135,17 @@ def _read_config(directory: Path) -> dict:
         raise LoraError(f"{directory}: no readable adapter_config.json ({exc})") from exc
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{directory}: not a LoRA adapter")
-    refused = {
-        "use_dora": bool(config.get("use_dora")),
-        "bias": config.get("bias", "none") != "none",
-        "modules_to_save": bool(config.get("modules_to_save")),
-        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
-    }
-    if any(refused.values()):
-        raise LoraError(f"{directory}: not supported: {[k for k, v in refused.items() if v]}")
+    refused = [key for key in REFUSED if config.get(key)]
+    if config.get("bias", "none") != "none":
+        refused.append("bias")
+    if refused:
+        raise LoraError(f"{directory}: not supported: {', '.join(refused)}")
     return config
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
+    """PEFT's scale of a module (`module` its name as PEFT's patterns match it, e.g.
+    model.layers.0.self_attn.q_proj)."""
     alpha = config.get("lora_alpha", 8)
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if re.fullmatch(rf"(.*\.)?(?:{pattern})", module):
@@ -153,7 +156,6 @@ def _scale(config: dict, module: str, rank: int) -> float:
 
 def _fuse(
     config: dict,
-    index: int,
     found: dict[tuple[str, int], dict[str, torch.Tensor]],
     sizes: tuple[int, list[int]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,10 +163,9 @@ def _fuse(
     parts' outputs, each part's B scaled."""
     in_size, out_sizes = sizes
     a_rows, b_blocks = [], []
-    for (module, part), ab in sorted(found.items(), key=lambda kv: kv[0][1]):
-        name = f"layers.{index}.{module}"
+    for (name, part), ab in sorted(found.items(), key=lambda kv: kv[0][1]):
         a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None or a.dim() != 2 or b.dim() != 2:
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0:
             raise LoraError(f"{name}: lora_A and lora_B, two matrices each")
         r = a.shape[0]
         if a.shape[1] != in_size or tuple(b.shape) != (out_sizes[part], r):

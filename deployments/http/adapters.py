@@ -17,14 +17,15 @@ _named: ContextVar[tuple[str, str] | None] = ContextVar("shoal_adapter", default
 def find_adapter(models: list[Any], name: str) -> Any:
     """The ModelDeploymentConfig among `models` that has the adapter `name` names, the
     adapter noted for the current request; None when it names none. `base:x` of a
-    served base without an adapter x is a 404 (but for Ollama's `:latest`)."""
+    served base that has adapters, none x, is a 404 (but for Ollama's `:latest`; a base
+    without adapters keeps its other names' meaning, Ollama tags and file names)."""
     if not name:
         return None
     base, colon, adapter = name.rpartition(":")
     for model in models:
         loras = model.engine.loras
         of_base = bool(colon) and base in (model.name, *model.aliases)
-        if of_base and adapter not in loras and adapter != "latest":
+        if of_base and loras and adapter not in loras and adapter != "latest":
             raise NotFoundError(f"model {base!r} has no LoRA adapter {adapter!r}", "model")
         if (of_base and adapter in loras) or name in loras:
             _named.set((model.name, adapter if of_base else name))
@@ -32,12 +33,18 @@ def find_adapter(models: list[Any], name: str) -> Any:
     return None
 
 
+def named_adapter(model: str) -> str | None:
+    """The adapter of `model` the current request named, if any."""
+    named = _named.get()
+    return named[1] if named is not None and named[0] == model else None
+
+
 def with_named_adapter(model: str, params: SamplingParams) -> SamplingParams:
     """`params` with the adapter of `model` the current request named, if any."""
-    named = _named.get()
-    if named is None or named[0] != model or params.lora is not None:
+    adapter = named_adapter(model)
+    if adapter is None or params.lora is not None:
         return params
-    return params.model_copy(update={"lora": named[1]})
+    return params.model_copy(update={"lora": adapter})
 
 
 def forget_named_adapter() -> Any:

@@ -82,6 +82,12 @@ def test_every_dialect_runs_the_named_adapter(served):
             anthropic = {"model": f"{MODEL}:sea", "messages": ASK, "max_tokens": TOKENS}
             r = await http.post("/v1/messages", json={**anthropic, "temperature": 0})
             got["anthropic"] = r.json()["content"][0]["text"]
+            # Responses keeps a stored turn's KV in the base's context: this one runs
+            # without it, on the adapter
+            r = await client.responses.create(
+                model=f"{MODEL}:sea", input=ASK, max_output_tokens=TOKENS, temperature=0,
+            )  # fmt: skip
+            got["responses"] = r.output_text
             models = (await http.get("/v1/models")).json()["data"]
             unknown = await http.post(
                 "/v1/chat/completions", json={"model": f"{MODEL}:nobody", "messages": ASK}

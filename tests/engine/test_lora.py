@@ -27,7 +27,8 @@ ADAPTERS = {  # name -> (seed, LoraConfig settings): ranks, targets and scalings
             lora_alpha=8,
             target_modules=["q_proj", "v_proj", "down_proj"],
             rank_pattern={"down_proj": 2},
-            alpha_pattern={"v_proj": 24},
+            # PEFT matches a pattern to the end of a module's whole name
+            alpha_pattern={"v_proj": 24, "model.layers.3.self_attn.q_proj": 40},
         ),
     ),  # fmt: skip
 }
@@ -191,3 +192,11 @@ def test_a_quantized_base_keeps_its_kernels_beside_the_adapters(
     batch = [(name, p) for name in names for p in range(len(prompts))]
     mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
     assert mixed == [alone[name][p] for name, p in batch]
+
+
+def test_a_config_s_adapters_fit_max_loras_and_their_names_parse():
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(max_loras=1, loras={"a": "/x", "b": "/y"})
+    for name in ("a:b", "latest", ""):
+        with pytest.raises(ValueError, match="name"):
+            EngineConfig(loras={name: "/x"})

@@ -34,6 +34,7 @@ from deployments.api.assistants.tool_schema import (
     check_choice,
     dump_tools,
 )
+from deployments.http.adapters import named_adapter
 from deployments.http.caller import Caller
 from deployments.http.streaming import SSE_HEADERS
 from deployments.ingress import IngressDep, RequestTag
@@ -176,7 +177,8 @@ async def _create_run(
 ):  # noqa: ANN202
     assistant = await a.store.get_assistant(req.assistant_id, who)
     model = req.model or assistant["model"]
-    ingress.model(model)
+    if named_adapter(ingress.model(model).name) is not None:  # runs keep the base's contexts
+        raise InvalidRequestError("Assistants runs do not take LoRA adapters", "model")
     tools = dump_tools(req.tools) if req.tools is not None else assistant["tools"]
     check_choice(req.tool_choice, tools)
     instructions = req.instructions if req.instructions is not None else assistant["instructions"]

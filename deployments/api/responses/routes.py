@@ -32,6 +32,7 @@ from deployments.api.responses.schema import ResponsesRequest
 from deployments.api.responses.store import Entry, ResponseStore
 from deployments.api.responses.turn import Turn, output_items
 from deployments.api.warm_context import free, generate_in_context
+from deployments.http.adapters import named_adapter
 from deployments.http.caller import Caller, caller_of
 from deployments.http.chat_turn import ChatTurn, PreparedTurn, prepare
 from deployments.http.generation import Generation
@@ -157,9 +158,9 @@ async def _start(
     leaves it as it was. While another turn of the chain holds the context (a parallel
     branch from the same response), this one runs without it: same reply, no reuse. So
     does a turn whose prompt holds images (a context keeps tokens, not images; the
-    prefix cache still finds the image's KV)."""
+    prefix cache still finds the image's KV), and one on a LoRA adapter."""
     reasoning, images = prepared.reasoning, prepared.images
-    if cid is not None and not images:
+    if cid is not None and not images and named_adapter(model) is None:  # contexts: the base's
         try:
             return await generate_in_context(
                 ingress, model, cid, ids, params, tag, CHAIN_BUSY_PAUSES_S, reasoning
