@@ -3,11 +3,12 @@
 A PEFT adapter adds `scale * B (A x)` to a projection's output, with A (r, in) and
 B (out, r) of a small rank r. Our layers fuse q|k|v and gate|up into one projection each,
 so an adapter is kept the same way: per layer and fused projection one A, the parts' A
-stacked (their ranks summed), and one B, block-diagonal over the parts, the scale folded
-in. Base weights stay as loaded (quantized or prepacked), and a step of rows of different
-adapters runs the base projection once for all rows, then per adapter in the step its
-rows' shrink (x A^T) and expand (. B^T), added to those rows only (S-LoRA's and Punica's
-grouping, in plain torch ops, over runs of rows).
+stacked (their ranks summed), and each part's B (its scale folded in), which expands its
+share of the shrunk rows into its own columns. Base weights stay as loaded (quantized or
+prepacked), and a step of rows of different adapters runs the base projection once for
+all rows, then per adapter in the step its rows' shrink (x A^T) and expansions (. B^T),
+added to those rows only (S-LoRA's and Punica's grouping, in plain torch ops, over runs
+of rows).
 """
 
 import itertools
@@ -38,6 +39,8 @@ KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.\w+\.(\w+))\.lora_(
 REFUSED = ("use_dora", "modules_to_save", "fan_in_fan_out", "alora_invocation_tokens",
            "arrow_config", "use_bdlora", "layer_replication", "megatron_config")  # fmt: skip
 _uids = itertools.count(1)
+# A^T (in, r_sum), then per part (first output column, its rows of A, (B * scale)^T)
+FusedLora = tuple[torch.Tensor, tuple[tuple[int, int, int, torch.Tensor], ...]]
 
 
 class LoraError(ValueError):
@@ -48,15 +51,16 @@ class LoraError(ValueError):
 class LoraAdapter:
     name: str
     rank: int  # the largest of its modules'
-    # per layer: fused projection -> (A^T (in, r_sum), (B * scale)^T (r_sum, out)), laid out
-    # as the step's two matmuls read them
-    layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]
+    # per layer: fused projection -> (A^T (in, r_sum), its parts' expansions), laid out as
+    # the step's matmuls read them
+    layers: tuple[dict[str, "FusedLora"], ...]
     # one per load: KV computed with it is keyed by it (a reload may change the weights)
     uid: int = field(default_factory=lambda: next(_uids))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for ab in layer.values() for t in ab)
+        fused = [f for layer in self.layers for f in layer.values()]
+        return sum(a.nbytes + sum(p[3].nbytes for p in parts) for a, parts in fused)
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,14 @@ class LoraBatch:
         """base += each run's adapter applied to x, on its rows, in place (`base` is one
         of the step's own activations), and returned."""
         for adapter, start, end in self.runs:
-            ab = adapter.layers[layer].get(proj)
-            if ab is not None:  # shrink, then expand into the rows
-                base[start:end].addmm_(x[start:end] @ ab[0], ab[1])
+            fused = adapter.layers[layer].get(proj)
+            if fused is None:
+                continue
+            a, parts = fused
+            shrunk = x[start:end] @ a
+            rows = base[start:end]
+            for column, r0, r1, b in parts:  # each part's expansion into its own columns
+                rows[:, column : column + b.shape[1]].addmm_(shrunk[:, r0:r1], b)
         return base
 
 
@@ -107,7 +116,7 @@ def load_peft_adapter(
     layers = model.model.layers
     if (last := max(index for index, _ in modules)) >= len(layers):
         raise LoraError(f"layer {last}: the model has {len(layers)} layers")
-    fused: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
+    fused: list[dict[str, FusedLora]] = [{} for _ in layers]
     for index, layer in enumerate(layers):
         for proj in ("qkv", "o", "gate_up", "down"):
             found = {
@@ -123,7 +132,11 @@ def load_peft_adapter(
                 raise
             except (re.error, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
                 raise LoraError(f"layer {index}: {type(exc).__name__}: {exc}") from exc
-            fused[index][proj] = tuple(t.T.to(device, dtype).contiguous() for t in ab)
+            a, parts = ab
+            fused[index][proj] = (
+                a.T.to(device, dtype).contiguous(),
+                tuple((c, r0, r1, b.T.to(device, dtype).contiguous()) for c, r0, r1, b in parts),
+            )
     rank = max(ab["A"].shape[0] for ab in modules.values())  # each has its A (_fuse)
     return LoraAdapter(name, rank, tuple(fused))
 
@@ -158,11 +171,12 @@ def _fuse(
     config: dict,
     found: dict[tuple[str, int], dict[str, torch.Tensor]],
     sizes: tuple[int, list[int]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fused projection's (A, B): A the parts' A stacked, B block-diagonal over the
-    parts' outputs, each part's B scaled."""
+) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]:
+    """One fused projection's A, its parts' A stacked, and each part's scaled B with the
+    columns of the output and the rows of A it belongs to: (column, r0, r1, B)."""
     in_size, out_sizes = sizes
-    a_rows, b_blocks = [], []
+    a_rows, parts = [], []
+    rank = 0
     for (name, part), ab in sorted(found.items(), key=lambda kv: kv[0][1]):
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0:
@@ -174,14 +188,10 @@ def _fuse(
                 f"{in_size} -> {out_sizes[part]} projection"
             )
         a_rows.append(a.float())
-        b_blocks.append((sum(out_sizes[:part]), b.float() * _scale(config, name, r)))
-    a = torch.cat(a_rows)
-    b = torch.zeros(sum(out_sizes), a.shape[0])
-    column = 0
-    for row, block in b_blocks:
-        b[row : row + block.shape[0], column : column + block.shape[1]] = block
-        column += block.shape[1]
-    return a, b
+        column = sum(out_sizes[:part])
+        parts.append((column, rank, rank + r, b.float() * _scale(config, name, r)))
+        rank += r
+    return torch.cat(a_rows), parts
 
 
 def _parts(layer: nn.Module, proj: str, index: int) -> tuple[int, list[int]]:
