@@ -10,9 +10,13 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from app.engine.sequence import Sequence
 from app.models.loader import LoadedModel
-from app.models.lora import LoraAdapter, LoraBatch, LoraError, load_peft_adapter
+from app.models.lora import LoraAdapter, LoraError, load_peft_adapter
+from app.models.lora_batch import LoraBatch, StackedLoras
 from app.protocol.errors import InvalidRequestError, NotFoundError
 
 
@@ -62,18 +66,74 @@ def adapter_order(seqs: Seq[Sequence], indices: list[int]) -> list[int]:
     return sorted(indices, key=lambda i: 0 if seqs[i].lora is None else seqs[i].lora.uid)
 
 
-def step_adapters(seqs: Seq[Sequence], counts: Seq[int]) -> LoraBatch | None:
-    """The step's adapters, each with its runs of consecutive flat-batch rows (the
-    sequences in batch order, `counts` tokens each); None when none runs one."""
-    if all(seq.lora is None for seq in seqs):
-        return None
-    runs: list[tuple[LoraAdapter, int, int]] = []
+class StepAdapters:
+    """A step's LoraBatch (app.models.lora_batch), keeping the stack of the last step's
+    stacked adapters for the next while they stay the same."""
+
+    # stacked while the blocks hold at most this many rows for each real one
+    MAX_PADDING = 2
+
+    def __init__(self) -> None:
+        self._stacked: StackedLoras | None = None
+
+    def __call__(self, seqs: Seq[Sequence], counts: Seq[int]) -> LoraBatch | None:
+        """The sequences in batch order, `counts` tokens each; None when none runs an
+        adapter."""
+        if all(seq.lora is None for seq in seqs):
+            self._stacked = None
+            return None
+        rows: dict[int, list[int]] = {}
+        adapters: dict[int, LoraAdapter] = {}
+        row = 0
+        for seq, n in zip(seqs, counts, strict=True):
+            if (lora := seq.lora) is not None:
+                adapters[lora.uid] = lora
+                rows.setdefault(lora.uid, []).extend(range(row, row + n))
+            row += n
+        stacked = self._stack(adapters, rows)
+        runs = tuple(_runs(seqs, counts, set(stacked.uids) if stacked else set()))
+        if stacked is None:
+            return LoraBatch(runs)
+        widest = max(len(rows[uid]) for uid in stacked.uids)
+        gather = np.full((len(stacked.uids), widest), row, dtype=np.int64)  # row: past all
+        for i, uid in enumerate(stacked.uids):
+            gather[i, : len(rows[uid])] = rows[uid]
+        if gather.size == row and (gather.ravel() == np.arange(row)).all():
+            return LoraBatch(runs, stacked)  # blocks are views of the step's rows
+        scatter = np.where(gather == row, 0, gather)
+        return LoraBatch(
+            runs, stacked, torch.from_numpy(gather.ravel()), torch.from_numpy(scatter.ravel())
+        )
+
+    def _stack(self, adapters: dict[int, LoraAdapter], rows: dict[int, list[int]]):  # noqa: ANN202
+        """The stack of the step's largest set of adapters of one signature, if two or
+        more and evenly spread enough; None otherwise."""
+        groups: dict[tuple, list[int]] = {}
+        for uid, adapter in adapters.items():
+            groups.setdefault(adapter.signature, []).append(uid)
+        uids = tuple(sorted(max(groups.values(), key=len)))
+        widest = max(len(rows[uid]) for uid in uids)
+        if len(uids) < 2 or len(uids) * widest > self.MAX_PADDING * sum(len(rows[u]) for u in uids):
+            return None
+        if self._stacked is None or self._stacked.uids != uids:
+            self._stacked = StackedLoras.of([adapters[uid] for uid in uids])
+        return self._stacked
+
+
+def _runs(seqs: Seq[Sequence], counts: Seq[int], stacked: set[int]):  # noqa: ANN202
+    """(adapter, first row, one past last) of each run of consecutive rows of one adapter
+    that is not stacked."""
+    run = None
     row = 0
     for seq, n in zip(seqs, counts, strict=True):
-        if seq.lora is not None:
-            if runs and runs[-1][0] is seq.lora and runs[-1][2] == row:
-                runs[-1] = (seq.lora, runs[-1][1], row + n)
+        lora = seq.lora
+        if lora is not None and lora.uid not in stacked:
+            if run is not None and run[0] is lora and run[2] == row:
+                run = (lora, run[1], row + n)
             else:
-                runs.append((seq.lora, row, row + n))
+                if run is not None:
+                    yield run
+                run = (lora, row, row + n)
         row += n
-    return LoraBatch(tuple(runs))
+    if run is not None:
+        yield run

@@ -20,13 +20,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from app.engine.adapters import adapter_order, step_adapters
+from app.engine.adapters import StepAdapters, adapter_order
 from app.engine.images import both_ways_spans, sees_both_ways, step_rows
 from app.engine.mrope import step_positions
 from app.engine.scheduler import ScheduledBatch
 from app.engine.sequence import Sequence
 from app.models.attention import BatchLayout
-from app.models.lora import LoraBatch
+from app.models.lora_batch import LoraBatch
 
 
 @dataclass
@@ -57,6 +57,7 @@ class InputBatch:
         self._synced = [0] * max_rows  # entries of each row that hold its table
         self._rows: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(range(max_rows - 1, -1, -1))  # popped from the end: row 0 first
+        self._adapters = StepAdapters()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -98,7 +99,7 @@ class InputBatch:
             batch, input_ids, rows, token_rows, positions, layout, _rows(seqs, due, ends)
         )
         inputs.images = step_rows(seqs, starts, counts)
-        inputs.lora = step_adapters(seqs, counts)
+        inputs.lora = self._adapters(seqs, counts)
         if (rope := step_positions(seqs, starts, counts, positions)) is not None:
             inputs.positions = torch.from_numpy(np.ascontiguousarray(rope))
         if both_ways := both_ways_spans(seqs, starts, counts):

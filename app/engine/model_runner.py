@@ -230,7 +230,7 @@ class ModelRunner:
             metadata,
             self._to_device(step.logits_rows),
             images,
-            step.lora,
+            None if step.lora is None else step.lora.to(self.device),
         )
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from app.models.attention import AttentionBackend, DecodeInputs
 from app.models.cpu_linear import linear_add
 from app.models.dense_mlp import DenseMLP
 from app.models.fused_ops import RopeTables, rms_norm, rotate_heads_
-from app.models.lora import LoraBatch
+from app.models.lora_batch import LoraBatch
 from app.models.moe import SparseMoE
 from app.models.parallel import TPGroup, shard_arch, vocab_range
 from app.models.rope import RotaryEmbedding

@@ -16,6 +16,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -57,33 +58,24 @@ class LoraAdapter:
     # one per load: KV computed with it is keyed by it (a reload may change the weights)
     uid: int = field(default_factory=lambda: next(_uids))
 
+    @cached_property
+    def signature(self) -> tuple:
+        """What must be the same for adapters to stack (app.models.lora_batch): each
+        projection's shapes (rank, parts' columns and widths). Stacked so, a row's sums
+        run over exactly the terms, in the order, its adapter alone sums them: the same
+        bits either way."""
+        return tuple(
+            tuple(
+                (p, a.shape, tuple((c, r0, r1, b.shape[1]) for c, r0, r1, b in parts))
+                for p, (a, parts) in sorted(layer.items())
+            )
+            for layer in self.layers
+        )
+
     @property
     def nbytes(self) -> int:
         fused = [f for layer in self.layers for f in layer.values()]
         return sum(a.nbytes + sum(p[3].nbytes for p in parts) for a, parts in fused)
-
-
-@dataclass(frozen=True)
-class LoraBatch:
-    """A step's adapters, each with a run of consecutive rows of the flat batch it runs
-    on (the input batch puts a step's sequences of one adapter next to each other, so no
-    row is gathered or scattered)."""
-
-    runs: tuple[tuple[LoraAdapter, int, int], ...]  # (adapter, first row, one past last)
-
-    def add_(self, base: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
-        """base += each run's adapter applied to x, on its rows, in place (`base` is one
-        of the step's own activations), and returned."""
-        for adapter, start, end in self.runs:
-            fused = adapter.layers[layer].get(proj)
-            if fused is None:
-                continue
-            a, parts = fused
-            shrunk = x[start:end] @ a
-            rows = base[start:end]
-            for column, r0, r1, b in parts:  # each part's expansion into its own columns
-                rows[:, column : column + b.shape[1]].addmm_(shrunk[:, r0:r1], b)
-        return base
 
 
 def load_peft_adapter(

@@ -200,3 +200,31 @@ def test_a_config_s_adapters_fit_max_loras_and_their_names_parse():
     for name in ("a:b", "latest", ""):
         with pytest.raises(ValueError, match="name"):
             EngineConfig(loras={name: "/x"})
+
+
+def test_adapters_of_one_shape_batched_together_equal_each_alone(
+    smollm2_engine, smollm2_hf, prompts, tmp_path
+):
+    """Fine-tunes of one recipe (rank and targets) are stacked and run in batched
+    matmuls (app.models.lora_batch): to the bit what each computes alone."""
+    settings = dict(r=8, lora_alpha=16, target_modules=ATTENTION + MLP)
+    same = {f"s{i}": str(make_adapter(smollm2_hf, tmp_path / f"s{i}", 10 + i, settings))
+            for i in range(4)}  # fmt: skip
+    config = EngineConfig(
+        device="cpu", dtype="float32", quantization="none", num_threads=2,
+        kv_cache_memory_gib=0.1, loras=same,
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded=smollm2_engine.loaded)
+    names = [None, *same]
+    alone = {name: ids(engine.generate(prompts, greedy(name))) for name in names}
+    batch = [(name, p) for name in names for p in range(len(prompts))]
+    steps = []
+    stack = engine.runner.inputs._adapters._stack
+    engine.runner.inputs._adapters._stack = lambda *a: steps.append(stack(*a)) or steps[-1]
+    mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
+    assert any(s is not None and len(s.uids) == 4 for s in steps)  # it did stack them
+    assert mixed == [alone[name][p] for name, p in batch]
+    # Adapters' rows only, as many each: the blocks are views of the step's rows.
+    batch = [(name, p) for p in range(len(prompts)) for name in same]
+    mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
+    assert mixed == [alone[name][p] for name, p in batch]

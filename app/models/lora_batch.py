@@ -1,0 +1,100 @@
+"""A step's LoRA adapters and their rows, applied beside the base projections.
+
+Two ways, one result, to the bit. Where a step's rows are spread evenly over adapters
+of one shape (the same rank and targets: fine-tunes of one recipe), it runs Punica's and
+S-LoRA's batched shrink and expand: those adapters stacked, each one's rows gathered into
+a block of its own (padded to the longest), one batched matmul for all of them per
+shrink and per part's expansion, the results added back to their rows. The stack is
+built when the step's set of adapters changes and kept while it does not (a stream's
+adapters stay the same step after step). Every other adapter's run of consecutive rows
+(the input batch puts a step's sequences of one adapter next to each other), and a step
+whose rows are uneven (one long prompt beside a few decodes would pad every block to
+its length), runs on its own.
+"""
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.models.lora import LoraAdapter
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class StackedLoras:
+    """Adapters of one signature stacked: per layer and projection, A (n, in, r) and each
+    part's (column, r0, r1, B (n, r_part, width)); their order `uids`'."""
+
+    uids: tuple[int, ...]
+    layers: tuple[dict[str, tuple[torch.Tensor, tuple]], ...]
+
+    @classmethod
+    def of(cls, adapters: Seq[LoraAdapter]) -> "StackedLoras":
+        layers = []
+        for index, first in enumerate(adapters[0].layers):
+            layer = {}
+            for proj, (_, parts) in first.items():
+                fused = [a.layers[index][proj] for a in adapters]
+                stacked = [
+                    (c, r0, r1, torch.stack([f[1][k][3] for f in fused]))
+                    for k, (c, r0, r1, _) in enumerate(parts)
+                ]
+                layer[proj] = (torch.stack([f[0] for f in fused]), tuple(stacked))
+            layers.append(layer)
+        return cls(tuple(a.uid for a in adapters), tuple(layers))
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """A step's adapters: `runs` of consecutive flat-batch rows, each with its adapter
+    (the input batch puts a step's sequences of one adapter next to each other), and,
+    for the batched way, the stack and each block's rows (`gather`, n x m of them, m the
+    most rows any adapter has; padding points past the batch, at a zero row)."""
+
+    runs: tuple[tuple[LoraAdapter, int, int], ...]  # (adapter, first row, one past last)
+    # the stacked adapters' rows are not in `runs`
+    stacked: StackedLoras | None = None
+    # (n * m,) rows of x, its row count for padding; None: all rows, in order
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None  # (n * m,) the same rows, padding at row 0
+
+    def to(self, device: torch.device) -> "LoraBatch":
+        if self.gather is None or self.gather.device == device:
+            return self
+        gather, scatter = self.gather.to(device), self.scatter.to(device)
+        return LoraBatch(self.runs, self.stacked, gather, scatter)
+
+    def add_(self, base: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
+        """base += each adapter applied to x, on its rows, in place (`base` is one of the
+        step's own activations), and returned."""
+        if self.stacked is not None and (fused := self.stacked.layers[layer].get(proj)):
+            a, parts = fused
+            shrunk = torch.bmm(self._blocks(x, a.shape[0]), a)
+            if self.gather is None:  # each part expands into its columns of the rows' block
+                blocks = base.view(a.shape[0], -1, base.shape[1])
+                for column, r0, r1, b in parts:
+                    blocks[:, :, column : column + b.shape[2]].baddbmm_(shrunk[:, :, r0:r1], b)
+            else:
+                for column, r0, r1, b in parts:
+                    out = torch.bmm(shrunk[:, :, r0:r1], b).view(-1, b.shape[2])
+                    base[:, column : column + b.shape[2]].index_add_(0, self.scatter, out)
+        for adapter, start, end in self.runs:
+            fused = adapter.layers[layer].get(proj)
+            if fused is None:
+                continue
+            a, parts = fused
+            shrunk = x[start:end] @ a
+            rows = base[start:end]
+            for column, r0, r1, b in parts:  # each part's expansion into its own columns
+                rows[:, column : column + b.shape[1]].addmm_(shrunk[:, r0:r1], b)
+        return base
+
+    def _blocks(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The stacked adapters' rows of x, a block (of m rows) each."""
+        if self.gather is None:  # the step is theirs, in order, as many rows each
+            return x.view(n, -1, x.shape[1])
+        # padding rows point past the batch: at a zero row, so that they add zeros
+        return F.pad(x, (0, 0, 0, 1)).index_select(0, self.gather).view(n, -1, x.shape[1])
