@@ -100,10 +100,9 @@ class StepAdapters:
             gather[i, : len(rows[uid])] = rows[uid]
         if gather.size == row and (gather.ravel() == np.arange(row)).all():
             return LoraBatch(runs, stacked)  # blocks are views of the step's rows
-        scatter = np.where(gather == row, 0, gather)
-        return LoraBatch(
-            runs, stacked, torch.from_numpy(gather.ravel()), torch.from_numpy(scatter.ravel())
-        )
+        places = np.flatnonzero(gather.ravel() != row)
+        real = (torch.from_numpy(places), torch.from_numpy(gather.ravel()[places]))
+        return LoraBatch(runs, stacked, torch.from_numpy(gather.ravel()), real)
 
     def _stack(self, adapters: dict[int, LoraAdapter], rows: dict[int, list[int]]):  # noqa: ANN202
         """The stack of the step's largest set of adapters of one signature, if two or

@@ -98,6 +98,8 @@ def load_peft_adapter(
         match = KEY.fullmatch(key)
         if match is None or match.group(3) not in PROJECTIONS:
             raise LoraError(f"adapter tensor {key!r}: only LoRA on {', '.join(PROJECTIONS)}")
+        if not torch.isfinite(tensor).all():
+            raise LoraError(f"adapter tensor {key!r} holds inf or NaN")
         at = (int(match.group(2)), match.group(3))
         modules.setdefault(at, {})[match.group(4)] = tensor
         names[at] = match.group(1)

@@ -1,10 +1,13 @@
 """A step's LoRA adapters and their rows, applied beside the base projections.
 
-Two ways, one result, to the bit. Where a step's rows are spread evenly over adapters
+Two ways, one result, to the bit (on a CPU; on a GPU cuBLAS may choose other kernels
+for other shapes). Where a step's rows are spread evenly over adapters
 of one shape (the same rank and targets: fine-tunes of one recipe), it runs Punica's and
 S-LoRA's batched shrink and expand: those adapters stacked, each one's rows gathered into
 a block of its own (padded to the longest), one batched matmul for all of them per
-shrink and per part's expansion, the results added back to their rows. The stack is
+shrink and per part's expansion, added in place to the rows' block (views of the
+step's rows where they are the stacked adapters' alone, in order; else gathered, and
+the real rows copied back). The stack is
 built when the step's set of adapters changes and kept while it does not (a stream's
 adapters stay the same step after step). Every other adapter's run of consecutive rows
 (the input batch puts a step's sequences of one adapter next to each other), and a step
@@ -59,13 +62,16 @@ class LoraBatch:
     stacked: StackedLoras | None = None
     # (n * m,) rows of x, its row count for padding; None: all rows, in order
     gather: torch.Tensor | None = None
-    scatter: torch.Tensor | None = None  # (n * m,) the same rows, padding at row 0
+    # (places in `gather` that are not padding, their rows): only those are written back,
+    # each rounded once, as its adapter alone rounds it
+    real: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> "LoraBatch":
         if self.gather is None or self.gather.device == device:
             return self
-        gather, scatter = self.gather.to(device), self.scatter.to(device)
-        return LoraBatch(self.runs, self.stacked, gather, scatter)
+        assert self.real is not None
+        real = (self.real[0].to(device), self.real[1].to(device))
+        return LoraBatch(self.runs, self.stacked, self.gather.to(device), real)
 
     def add_(self, base: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
         """base += each adapter applied to x, on its rows, in place (`base` is one of the
@@ -77,10 +83,13 @@ class LoraBatch:
                 blocks = base.view(a.shape[0], -1, base.shape[1])
                 for column, r0, r1, b in parts:
                     blocks[:, :, column : column + b.shape[2]].baddbmm_(shrunk[:, :, r0:r1], b)
-            else:
+            else:  # the same on gathered rows of base, its real ones written back
                 for column, r0, r1, b in parts:
-                    out = torch.bmm(shrunk[:, :, r0:r1], b).view(-1, b.shape[2])
-                    base[:, column : column + b.shape[2]].index_add_(0, self.scatter, out)
+                    cols = base[:, column : column + b.shape[2]]
+                    block = self._blocks(cols, a.shape[0])
+                    block.baddbmm_(shrunk[:, :, r0:r1], b)
+                    flat = block.view(-1, b.shape[2]).index_select(0, self.real[0])
+                    cols.index_copy_(0, self.real[1], flat)
         for adapter, start, end in self.runs:
             fused = adapter.layers[layer].get(proj)
             if fused is None:
@@ -96,5 +105,5 @@ class LoraBatch:
         """The stacked adapters' rows of x, a block (of m rows) each."""
         if self.gather is None:  # the step is theirs, in order, as many rows each
             return x.view(n, -1, x.shape[1])
-        # padding rows point past the batch: at a zero row, so that they add zeros
+        # padding points past the batch, at a zero row (never written back)
         return F.pad(x, (0, 0, 0, 1)).index_select(0, self.gather).view(n, -1, x.shape[1])
