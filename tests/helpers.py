@@ -139,3 +139,11 @@ def dense_reference(
     visible = (j <= p) & ((p - j < window) if window > 0 else True)
     scores = scores.masked_fill(~visible[None], float("-inf"))  # (nh, Lq, L)
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of a one-message chat turn under the tokenizer's template, ready to reply."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+    )
+    return list(rendered["input_ids"])

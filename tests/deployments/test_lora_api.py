@@ -12,6 +12,7 @@ from app.models.source import resolve_model
 from app.protocol.sampling import SamplingParams
 from app.text.tokenizer import load_tokenizer
 from deployments.config import AppConfig
+from tests.helpers import chat_ids
 from tests.local_app import MODEL, http_client, local_app, run
 from tests.lora_adapters import ATTENTION, MLP, make_adapter
 
@@ -43,10 +44,7 @@ def served(smollm2_engine, adapter_dir, tmp_path_factory):
     )
     # The answers the engine gives alone, before the app steps it.
     tokenizer = load_tokenizer(resolve_model("default"))
-    rendered = tokenizer.apply_chat_template(
-        ASK, add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    prompt = list(rendered["input_ids"])
+    prompt = chat_ids(tokenizer, ASK[0]["content"])
     expected = {}
     for lora in (None, "sea"):
         ids = engine.generate([prompt], greedy(lora))[0].outputs[0].token_ids

@@ -12,6 +12,7 @@ import torch
 from app.engine import EngineConfig, LLMEngine
 from app.protocol.errors import InvalidRequestError, NotFoundError
 from app.protocol.sampling import SamplingParams
+from tests.helpers import chat_ids
 from tests.lora_adapters import ATTENTION, MLP, make_adapter
 
 peft = pytest.importorskip("peft")
@@ -64,17 +65,7 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
         "Write a short poem about the sea and the ships that sail on it at night.",
         "What is the capital of France? Answer in one sentence, then explain why.",
     ]
-    return [
-        list(
-            smollm2_tokenizer.apply_chat_template(
-                [{"role": "user", "content": ask}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for ask in asks
-    ]
+    return [chat_ids(smollm2_tokenizer, ask) for ask in asks]
 
 
 def greedy(lora: str | None = None) -> SamplingParams:

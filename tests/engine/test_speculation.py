@@ -12,6 +12,7 @@ from app.engine import EngineConfig, LLMEngine
 from app.engine.config import SpeculativeConfig
 from app.engine.speculation import accepted_prefix, lookup
 from app.protocol.sampling import SamplingParams
+from tests.helpers import chat_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=96)
 SOURCE = (Path(__file__).parents[2] / "app" / "engine" / "scheduler.py").read_text()[:1500]
@@ -39,17 +40,7 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
         "fast. The lazy dog sleeps all day in the sun.",
         "Write the numbers from 1 to 30, one per line.",
     ]
-    return [
-        list(
-            smollm2_tokenizer.apply_chat_template(
-                [{"role": "user", "content": ask}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for ask in asks
-    ]
+    return [chat_ids(smollm2_tokenizer, ask) for ask in asks]
 
 
 def ids(outputs) -> list[list[int]]:  # noqa: ANN001
