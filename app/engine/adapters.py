@@ -3,7 +3,9 @@
 At most `max_loras` adapters are held (their weights in the model's dtype on its
 device); loading one more drops the least recently used. A request takes its adapter at
 admission into the engine and keeps it to its end, so dropping one never changes a
-request under way: its weights are freed when its last request ends.
+request under way: its weights are freed when its last request ends (and the step's
+stack of adapters, StepAdapters, lets them go: at the next set of stacked adapters, or
+the next step without any).
 """
 
 from collections import OrderedDict
