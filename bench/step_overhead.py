@@ -76,7 +76,7 @@ def stub_forward(engine, vocab: int, rows: int) -> None:  # noqa: ANN001
 
     table = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
 
-    def forward(input_ids, positions, metadata, logits_rows, images=None):  # noqa: ANN001, ANN202
+    def forward(input_ids, positions, metadata, logits_rows, images=None, lora=None):  # noqa: ANN001, ANN202
         return table[: logits_rows.shape[0]]
 
     engine.runner.model.forward = forward
