@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, DenseMLP):
             if lora is None:
                 return linear_add_reduce(self.mlp.down_proj, self.mlp.hidden(x), h, self.tp)
-            y = self.mlp.hidden(x, lora.add_(self.mlp.gate_up(x), x, self.index, "gate_up"))
+            y = self._hidden(x, lora)
             return linear_add_reduce(
                 self.mlp.down_proj, y, lora.add_(h, y, self.index, "down"), self.tp
             )
@@ -164,8 +164,12 @@ class DecoderLayer(nn.Module):
         """This shard's MLP output, with the step's adapters where the MLP is dense."""
         if lora is None or not isinstance(self.mlp, DenseMLP):
             return self.mlp(x)
-        y = self.mlp.hidden(x, lora.add_(self.mlp.gate_up(x), x, self.index, "gate_up"))
+        y = self._hidden(x, lora)
         return lora.add_(self.mlp.down_proj(y), y, self.index, "down")
+
+    def _hidden(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+        """The dense MLP's act(gate) * up, the adapters added before the activation."""
+        return self.mlp.hidden(x, lora.add_(self.mlp.gate_up(x), x, self.index, "gate_up"))
 
 
 class DecoderModel(nn.Module):
