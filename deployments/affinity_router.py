@@ -13,6 +13,8 @@ positions mean nothing here.
   new context follows it. The other actions only follow a pin: if that replica is gone,
   its contexts went with it, and the call falls back to the usual choice and gets the
   engine's 404. A pinned call waits (with backoff) for its replica alone.
+- A generation that runs a LoRA adapter goes to a replica holding it, as Serve's
+  multiplexing routes (`multiplexed_model_id`, replica_adapters.py).
 - Any other generation prefers the replicas that were sent the longest prefix of its
   prompt (a shared system prompt, the earlier turns of a chat), as remembered by a
   PrefixIndex, unless they are busier than the least loaded replica by more than
@@ -48,6 +50,7 @@ from typing import Any, TypeVar
 
 from ray.serve.request_router import (
     LocalityMixin,
+    MultiplexMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -127,7 +130,7 @@ def call_args(pending: PendingRequest | None) -> tuple[Any, ...]:
 _SHARED: dict[tuple[str, str], tuple[PrefixIndex, ContextPins, SharedRouting]] = {}
 
 
-class AffinityRouter(LocalityMixin, RequestRouter):
+class AffinityRouter(MultiplexMixin, LocalityMixin, RequestRouter):
     def __init__(self, *args: Any, deployment_id: Any, **kwargs: Any) -> None:
         super().__init__(*args, deployment_id=deployment_id, **kwargs)
         # Serve passes its DeploymentID (a documented constructor argument): the key under
@@ -182,6 +185,8 @@ class AffinityRouter(LocalityMixin, RequestRouter):
                 # Only this replica will do: if it is full, wait (with backoff) for it.
                 pending_request.routing_context.should_backoff = True
                 return [[by_id[home]]]
+        if pending_request is not None and pending_request.metadata.multiplexed_model_id:
+            return [self._adapter_holders(candidate_replicas, pending_request)]
         usual = self._power_of_two(candidate_replicas, pending_request)
         ranks = [usual] if usual else []
         preferred = await self._prefix_holders(candidate_replicas, prompt_of(args))
@@ -237,6 +242,16 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         local = self.apply_locality_routing(pending)
         return two_choices([r for r in candidates if r.replica_id in local])
 
+    def _adapter_holders(
+        self, candidates: list[RunningReplica], pending: PendingRequest
+    ) -> list[RunningReplica]:
+        """A LoRA adapter's request: two random replicas among those holding its adapter,
+        or (none free for a while) those holding the fewest, then any (Serve's
+        multiplexing policy, one step per attempt). Its prefix cache is the adapter's
+        own, so where the base's prompts went means nothing to it."""
+        allowed = self.apply_multiplex_routing(pending)
+        return two_choices([r for r in candidates if r.replica_id in allowed])
+
     def _new_home(self, candidates: list[RunningReplica], pending: PendingRequest) -> str:
         """Where a new context goes: the power of two choices, decided here (it is pinned
         before Serve sees the queues), preferring a replica that is not full."""
@@ -279,7 +294,9 @@ class AffinityRouter(LocalityMixin, RequestRouter):
         super().on_request_routed(pending_request, replica_id, result)
         args = call_args(pending_request)
         prompt = prompt_of(args)
-        if prompt and self.routing.prefix_affinity:
+        # An adapter's KV is its own: its prompt is no prefix of the base model's.
+        adapter = pending_request.metadata.multiplexed_model_id
+        if prompt and self.routing.prefix_affinity and not adapter:
             keys = self.prefixes.keys(prompt)
             self.prefixes.insert_keys(keys, replica_id.unique_id)
             self.shared.sent(keys, replica_id.unique_id)

@@ -30,7 +30,7 @@ from app.text.request_template import request_templates_refused
 from app.text.tokenizer import tools_template
 from app.text.tool_calls import ToolFormat, tool_format
 from deployments.config import AppConfig, ModelDeploymentConfig
-from deployments.http.adapters import find_adapter, with_named_adapter
+from deployments.http.adapters import LoraAdapters, named_adapter_path, with_named_adapter
 from deployments.http.client_scope import current_client
 from deployments.http.generation import Generation, overloaded, replica_failure
 from deployments.http.guard import Admission
@@ -87,13 +87,14 @@ class Ingress:
             for m in config.models
         }
         self._info: dict[str, EngineInfo] = {}
+        self.loras = LoraAdapters(config.operator.models_dir)
         self.created = int(time.time())
         self.metrics = IngressMetrics()
 
     # ---- models -------------------------------------------------------------------
     def find_model(self, name: str) -> ModelDeploymentConfig | None:
         config = self.config.model(name) or self.runtime_models.get(name)
-        return config or find_adapter(self.served_models(), name)
+        return config or self.loras.find(self.served_models(), name)
 
     def served_models(self) -> list[ModelDeploymentConfig]:
         """The configured models, then those started at run time."""
@@ -201,17 +202,12 @@ class Ingress:
         how the output splits into thinking and answer (see `reasoning`)."""
         params = with_named_adapter(model := self.model(model).name, params)
         rid = f"{tag}.{uuid.uuid4().hex[:8]}"
-        request = EngineRequest(rid, list(prompt_ids), params, context, tuple(images))
+        path = named_adapter_path(model) if params.lora is not None else None
+        request = EngineRequest(rid, list(prompt_ids), params, context, tuple(images), path)
         timer = TokenTimer(self.metrics, model, len(prompt_ids))
-        gen = Generation(
-            self._streams[model],
-            self.tokenizers[model],
-            request,
-            stop,
-            timer,
-            detok_prefix,
-            reasoning,
-        )
+        handle = self.loras.handle(model, self._streams[model], params.lora, path)
+        tokenizer = self.tokenizers[model]
+        gen = Generation(handle, tokenizer, request, stop, timer, detok_prefix, reasoning)
         await gen.start()
         return gen
 

@@ -29,6 +29,7 @@ from deployments.context_moves import ContextMoves
 from deployments.http.generation import ENGINE_UNAVAILABLE
 from deployments.pacing import StreamPacer
 from deployments.registry import HEARTBEAT_S, KEEPALIVE_S, runtime_info
+from deployments.replica_adapters import ReplicaAdapters
 from deployments.routing_state import SharedRouting
 from deployments.shard_actor import ShardGroup
 
@@ -78,6 +79,7 @@ class ModelServer:
                 raise
         self.engine: EngineClient = engine
         self.moves = ContextMoves(engine, _shared_routing(), self.replica_id)
+        self.adapters = ReplicaAdapters(engine, config.engine.max_loras)
         self.pacer = StreamPacer(config.stream_messages_per_s, config.stream_message_interval_s)
         self._stopping = threading.Event()
         # Set by what changes the engine's figures (a request, a context freed or
@@ -156,6 +158,8 @@ class ModelServer:
         try:
             await self.moves.bring(request.context)
             self.moves.seen(request.context)
+            if request.params.lora is not None and request.lora_path is not None:
+                await self.adapters.hold(request.params.lora, request.lora_path)
             async for delta in self.pacer.pace(self.engine.generate(request)):
                 yield delta.wire()
         except ShoalError as exc:
@@ -170,6 +174,11 @@ class ModelServer:
         finally:
             self._streams -= 1
             self._activity.set()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter here now (the API's load call: a bad one is refused before
+        any request names it)."""
+        await self.adapters.hold(name, path)
 
     # ---- contexts -------------------------------------------------------------------
     async def context_tokens(self, op: ContextOp) -> list[int]:

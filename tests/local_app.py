@@ -58,8 +58,8 @@ class LocalHandle:
     def __init__(self, target: Any, stream: bool = False) -> None:
         self._target, self._stream = target, stream
 
-    def options(self, stream: bool = False) -> "LocalHandle":
-        return LocalHandle(self._target, stream)
+    def options(self, stream: bool | None = None, multiplexed_model_id: str = "") -> "LocalHandle":
+        return LocalHandle(self._target, self._stream if stream is None else stream)
 
     def __getattr__(self, method: str) -> Any:
         fn = getattr(self._target, method)

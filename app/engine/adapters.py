@@ -1,7 +1,8 @@
 """The LoRA adapters an engine holds, and a step's rows grouped by adapter.
 
 At most `max_loras` adapters are held (their weights in the model's dtype on its
-device); loading one more drops the least recently used. A request takes its adapter at
+device); loading one more drops the least recently used, which is read again from its
+directory when a request names it. A request takes its adapter at
 admission into the engine and keeps it to its end, so dropping one never changes a
 request under way: its weights are freed when its last request ends (and the step's
 stack of adapters, StepAdapters, lets them go: at the next set of stacked adapters, or
@@ -27,37 +28,56 @@ class AdapterTable:
         """`loras`: name -> directory, loaded now."""
         self.model, self.dtype, self.max_loras = loaded.model, loaded.dtype, max_loras
         self._held: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recent first
+        # Every adapter this engine may run, held or not: one dropped for room is read
+        # again when a request names it.
+        self._paths: dict[str, str] = {}
         for name, path in loras.items():
-            self.load(name, path)
+            self.hold(name, path, self.read(name, path))
 
     def names(self) -> list[str]:
         return list(self._held)
 
-    def load(self, name: str, path: str | Path) -> LoraAdapter:
-        """Read the adapter at `path` as `name` (replacing one of that name); the least
-        recently used adapter goes when more than max_loras would be held."""
+    def holds(self, name: str, path: str | Path) -> bool:
+        return name in self._held and self._paths.get(name) == str(path)
+
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """The adapter at `path` (InvalidRequestError when it cannot be read or does not
+        fit the model); nothing held changes, so it may run outside the engine's lock."""
         if self.max_loras < 1:
             raise InvalidRequestError("LoRA adapters are off (engine.max_loras is 0)", "lora")
         device = self.model.model.norm.weight.device  # a float parameter, quantized or not
         try:
-            adapter = load_peft_adapter(name, path, self.model, self.dtype, device)
+            return load_peft_adapter(name, path, self.model, self.dtype, device)
         except LoraError as exc:
             raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "lora_path") from exc
+
+    def hold(self, name: str, path: str | Path, adapter: LoraAdapter) -> None:
+        """Hold `adapter`, read from `path`, as `name` (replacing one of that name); the
+        least recently used adapter goes when more than max_loras would be held."""
+        self._paths[name] = str(path)
         self._held.pop(name, None)
         self._held[name] = adapter
         while len(self._held) > self.max_loras:
             self._held.popitem(last=False)
+
+    def load(self, name: str, path: str | Path) -> LoraAdapter:
+        self.hold(name, path, adapter := self.read(name, path))
         return adapter
 
-    def unload(self, name: str) -> None:
-        if self._held.pop(name, None) is None:
+    def forget(self, name: str) -> None:
+        """Run `name` no more (requests under way keep it)."""
+        if self._paths.pop(name, None) is None:
             raise NotFoundError(f"no LoRA adapter {name!r} is loaded", "lora_name")
+        self._held.pop(name, None)
 
     def take(self, name: str) -> LoraAdapter:
-        """The adapter a new request runs with, now the most recently used."""
+        """The adapter a new request runs with, now the most recently used (read again
+        if it was dropped for room)."""
         adapter = self._held.get(name)
         if adapter is None:
-            raise NotFoundError(f"no LoRA adapter {name!r} is loaded", "model")
+            if name not in self._paths:
+                raise NotFoundError(f"no LoRA adapter {name!r} is loaded", "model")
+            return self.load(name, self._paths[name])
         self._held.move_to_end(name)
         return adapter
 

@@ -111,6 +111,10 @@ class AsyncEngine:
     async def restore_context(self, context_id: str, path: str) -> ContextFile:
         return await self._in_file_thread(self._files.restore, context_id, path)
 
+    async def set_lora(self, name: str, path: str | None) -> None:
+        self._raise_if_dead()
+        await asyncio.to_thread(self.engine.set_lora, name, path)
+
     async def _in_file_thread(self, fn: Callable[..., ContextFile], *args: object) -> ContextFile:
         self._raise_if_dead()
         return await asyncio.get_running_loop().run_in_executor(

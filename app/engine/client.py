@@ -103,4 +103,9 @@ class EngineClient(Protocol):
         Returns tokens restored and bytes of the file read."""
         ...
 
+    async def set_lora(self, name: str, path: str | None) -> None:
+        """Run the LoRA adapter at `path` as `name` (400 if it cannot be read or does not
+        fit the model), or no more (None; 404 when unknown)."""
+        ...
+
     def shutdown(self) -> None: ...

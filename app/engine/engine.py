@@ -138,10 +138,19 @@ class LLMEngine:
             self.requests.add(seq)
 
     def set_lora(self, name: str, path: str | None) -> None:
-        """Hold the PEFT adapter at `path` as `name` (InvalidRequestError if it does not
-        fit), or drop it (None); a request under way keeps the adapter it started with."""
+        """Run the PEFT adapter at `path` as `name` (InvalidRequestError if it does not
+        fit), or no more (None); a request under way keeps the adapter it started with.
+        The files are read outside the lock: steps go on meanwhile."""
         with self.lock:
-            self.adapters.load(name, path) if path else self.adapters.unload(name)
+            if path is None:
+                self.adapters.forget(name)
+                return
+            if self.adapters.holds(name, path):
+                self.adapters.take(name)  # now the most recently used
+                return
+        adapter = self.adapters.read(name, path)
+        with self.lock:
+            self.adapters.hold(name, path, adapter)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: its blocks are freed before this returns. False when the

@@ -31,7 +31,9 @@ from app.protocol.sampling import Constraint, ConstraintKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-FILE_CALLS = frozenset({"save_context", "restore_context"})  # off the step loop
+# Off the step loop: they read or write files (a LoRA adapter's are read outside the
+# engine's lock, so steps go on meanwhile).
+FILE_CALLS = frozenset({"save_context", "restore_context", "set_lora"})
 
 
 class EngineChild:
@@ -47,6 +49,7 @@ class EngineChild:
             "free_context": engine.free_context,
             "save_context": files.save,
             "restore_context": files.restore,
+            "set_lora": engine.set_lora,
         }
         self._send_lock = threading.Lock()  # the file worker replies too
         # One at a time: each holds a copy of a context's KV, and a save's quota check

@@ -175,6 +175,9 @@ class EngineProcess:
         args = (context_id, path)
         return await self._call("restore_context", *args, timeout_s=FILE_TIMEOUT_S)
 
+    async def set_lora(self, name: str, path: str | None) -> None:
+        await self._call("set_lora", name, path, timeout_s=FILE_TIMEOUT_S)
+
     async def _call(self, name: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         """Run one of the child's named calls and return its value."""
         if not self.is_alive:

@@ -122,6 +122,7 @@ class EngineRequest:
     params: SamplingParams
     context: ContextOp | None = None
     images: tuple[ImageInput, ...] = ()  # in the prompt's spans (processed pixels)
+    lora_path: str | None = None  # the directory of the adapter `params.lora` names
 
 
 def context_op(args: tuple) -> ContextOp | None:

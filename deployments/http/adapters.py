@@ -3,40 +3,104 @@ adapter as `base:adapter` (Ray Serve LLM's spelling) or by the adapter's own nam
 Every dialect finds its model through the Ingress (`find_model`), which notes the adapter
 here, per request (a context variable, as client_scope keeps the client), and runs the
 request's generations with it, so that no dialect has to carry it along.
+
+A model's adapters are its config's `engine.loras` and those loaded at run time
+(LoraAdapters.runtime: the operator keeps them, in its database, for every ingress
+replica; without an operator, this replica alone).
 """
 
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any
 
-from app.protocol.errors import NotFoundError
+from app.protocol.errors import InvalidRequestError, NotFoundError
 from app.protocol.sampling import SamplingParams
+from deployments.replica_adapters import adapter_id
 
-_named: ContextVar[tuple[str, str] | None] = ContextVar("shoal_adapter", default=None)
+MAX_HANDLES = 1024
+# (model, adapter, its directory) of the current request
+_named: ContextVar[tuple[str, str, str] | None] = ContextVar("shoal_adapter", default=None)
 
 
-def find_adapter(models: list[Any], name: str) -> Any:
-    """The ModelDeploymentConfig among `models` that has the adapter `name` names, the
-    adapter noted for the current request; None when it names none. `base:x` of a
-    served base that has adapters, none x, is a 404 (but for Ollama's `:latest`; a base
-    without adapters keeps its other names' meaning, Ollama tags and file names)."""
-    if not name:
+class LoraAdapters:
+    def __init__(self, models_dir: str) -> None:
+        # Run-time adapters may only be read from under here (as downloads land): an API
+        # call never names an arbitrary file of the server's.
+        self.models_dir = Path(models_dir).expanduser()
+        self.runtime: dict[str, dict[str, str]] = {}  # model -> adapter -> directory
+        self._handles: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def handle(self, model: str, handle: Any, adapter: str | None, path: str | None) -> Any:
+        """`handle` (model's) for a call that runs `adapter` read from `path`: Serve's
+        multiplexing sends it to a replica holding the adapter (replica_adapters.py).
+        Kept: a handle's `.options()` costs more than a request should pay."""
+        if adapter is None or path is None:
+            return handle
+        key = (model, adapter_id(adapter, path))
+        kept = self._handles.get(key)
+        if kept is None or kept[0] is not handle:  # new, or the model's handle changed
+            if len(self._handles) >= MAX_HANDLES:
+                self._handles.clear()
+            kept = self._handles[key] = (handle, handle.options(multiplexed_model_id=key[1]))
+        return kept[1]
+
+    def of(self, model: Any) -> dict[str, str]:
+        """Adapter name -> directory, for the ModelDeploymentConfig `model`."""
+        return {**model.engine.loras, **self.runtime.get(model.name, {})}
+
+    def find(self, models: list[Any], name: str) -> Any:
+        """The ModelDeploymentConfig among `models` that has the adapter `name` names, the
+        adapter noted for the current request; None when it names none. `base:x` of a
+        served base that has adapters, none x, is a 404 (but for Ollama's `:latest`; a
+        base without adapters keeps its other names' meaning, Ollama tags and files)."""
+        if not name:
+            return None
+        base, colon, adapter = name.rpartition(":")
+        for model in models:
+            loras = self.of(model)
+            of_base = bool(colon) and base in (model.name, *model.aliases)
+            if of_base and loras and adapter not in loras and adapter != "latest":
+                raise NotFoundError(f"model {base!r} has no LoRA adapter {adapter!r}", "model")
+            if (of_base and adapter in loras) or name in loras:
+                chosen = adapter if of_base else name
+                _named.set((model.name, chosen, loras[chosen]))
+                return model
         return None
-    base, colon, adapter = name.rpartition(":")
-    for model in models:
-        loras = model.engine.loras
-        of_base = bool(colon) and base in (model.name, *model.aliases)
-        if of_base and loras and adapter not in loras and adapter != "latest":
-            raise NotFoundError(f"model {base!r} has no LoRA adapter {adapter!r}", "model")
-        if (of_base and adapter in loras) or name in loras:
-            _named.set((model.name, adapter if of_base else name))
-            return model
-    return None
+
+    def checked_path(self, path: str) -> str:
+        """`path` (relative: to models_dir) as a directory under models_dir; 400 if not."""
+        root = self.models_dir.resolve()
+        full = (root / Path(path).expanduser()).resolve()
+        if not full.is_relative_to(root):
+            raise InvalidRequestError(
+                f"lora_path must be a directory under the models directory {str(root)!r}",
+                "lora_path",
+            )
+        if not full.is_dir():
+            raise InvalidRequestError(f"lora_path {path!r} is not a directory", "lora_path")
+        return str(full)
+
+
+def checked_name(name: str, served: list[Any]) -> str:
+    """A new adapter's name, as config adapters' names are checked (EngineConfig), and
+    naming no served model."""
+    if not name or ":" in name or name == "latest" or len(name) > 128:
+        raise InvalidRequestError(f"a LoRA adapter's name may not be {name!r} or hold ':'")
+    if any(name in (m.name, *m.aliases) for m in served):
+        raise InvalidRequestError(f"{name!r} names a served model", "lora_name")
+    return name
 
 
 def named_adapter(model: str) -> str | None:
     """The adapter of `model` the current request named, if any."""
     named = _named.get()
     return named[1] if named is not None and named[0] == model else None
+
+
+def named_adapter_path(model: str) -> str | None:
+    """The directory of the adapter of `model` the current request named, if any."""
+    named = _named.get()
+    return named[2] if named is not None and named[0] == model else None
 
 
 def with_named_adapter(model: str, params: SamplingParams) -> SamplingParams:

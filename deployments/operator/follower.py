@@ -2,6 +2,7 @@
 operator's event log (a long poll) and
 
 - serves the aliases the operator starts and stops (`inference_status` events),
+- knows the LoRA adapters loaded at run time (`lora_adapters` events),
 - stops taking requests when the operator drains the app, and reports how many are still
   open until they are none,
 - hands every event to this replica's WebSocket clients (Broadcaster).
@@ -83,9 +84,11 @@ class EventFollower:
             restarted = batch["seq"] < seq  # a new operator: its numbers started again
             if restarted and not any(_is_drain(e) for e in events):
                 self.ingress.admission.draining = False  # a drain its death cut short
-            changed = any(e["event"] == "inference_status" for e in events)
+            changed = _names(events, "inference_status")
             if first or restarted or batch["lost"] or changed or self._retry:
                 await self._sync_models()
+            if first or restarted or batch["lost"] or _names(events, "lora_adapters"):
+                await self._sync_adapters()
             for event in events:
                 if _is_drain(event):
                     self._drain()
@@ -117,6 +120,13 @@ class EventFollower:
                 logger.warning("cannot serve %s: %r", alias, exc)
                 self._retry = True
 
+    async def _sync_adapters(self) -> None:
+        """The LoRA adapters loaded at run time, as the operator's database has them."""
+        try:
+            self.ingress.loras.runtime = await self.operator.lora_adapters.remote()
+        except Exception as exc:
+            logger.warning("operator adapters unavailable: %r", exc)
+
     def _drain(self) -> None:
         self.ingress.admission.draining = True
         if self._reporter is None:
@@ -133,6 +143,10 @@ class EventFollower:
     def stop(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
+
+
+def _names(events: list[dict[str, Any]], name: str) -> bool:
+    return any(e["event"] == name for e in events)
 
 
 def _is_drain(event: dict[str, Any]) -> bool:

@@ -29,6 +29,7 @@ from deployments.operator.serve_deployer import ServeDeployer
 from deployments.state.database import Database
 from deployments.state.downloads import DownloadStore
 from deployments.state.inference import InferenceStore
+from deployments.state.lora_adapters import LoraAdapterStore
 from deployments.url_guard import HostPolicy
 
 logger = logging.getLogger("ray.serve")
@@ -81,6 +82,7 @@ class Operator:
             publish=lambda item: self.events.publish("inference_status", item),
             store=InferenceStore(db, self.app_name),
         )
+        self.loras = LoraAdapterStore(db, self.app_name)
         self.draining = False
         self.inflight: dict[str, int] = {}  # ingress replica -> requests open, while draining
         self._started: asyncio.Task | None = None
@@ -175,6 +177,27 @@ class Operator:
             alias: {"config": cfg, "app": self.deployer.app_for(alias)}
             for alias, cfg in self.inference.running().items()
         }
+
+    # ---- LoRA adapters loaded at run time (deployments/api/lora_calls.py) -------------------
+    def lora_adapters(self) -> dict[str, dict[str, str]]:
+        """model -> adapter -> directory."""
+        return self.loras.all()
+
+    async def add_lora(self, model: str, name: str, path: str, replace: bool = False) -> None:
+        """Record an adapter an ingress loaded; every ingress follows (a `lora_adapters`
+        event). One of that name is a 400 unless `replace`."""
+        if self.loras.get(name) is not None and not replace:
+            raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.")
+        self.loras.save(model, name, path)
+        self.events.publish("lora_adapters", {"model": model, "name": name, "state": "loaded"})
+
+    async def remove_lora(self, name: str) -> bool:
+        """False when no adapter has that name."""
+        held = self.loras.get(name)
+        if held is None or not self.loras.delete(name):
+            return False
+        self.events.publish("lora_adapters", {"model": held[0], "name": name, "state": "unloaded"})
+        return True
 
     async def hardware(self) -> dict[str, Any]:
         at, reading = self._hardware

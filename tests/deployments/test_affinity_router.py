@@ -212,3 +212,46 @@ def test_with_other_ingresses_the_shared_pin_wins_over_a_stale_local_one():
     r.shared.others = True
     assert asyncio.run(r._learn_pins(op, {"r1", "r2"})) is True
     assert r.pins.holder["c"] == "r2"  # moved by an operator through another ingress
+
+
+class Held:
+    """A replica as the router sees it: its id and the adapters it holds."""
+
+    def __init__(self, unique_id: str, adapters: tuple[str, ...] = ()) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        deployment = DeploymentID(name="ModelServer:lora", app_name="test-affinity")
+        self.replica_id = ReplicaID(unique_id, deployment)
+        self.multiplexed_model_ids = set(adapters)
+
+
+def test_an_adapter_s_request_goes_to_a_replica_holding_it_never_by_prefix():
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    r = _router("ModelServer:lora", routing={"min_match_tokens": 1}, block_size=2)
+    replicas = [Held("r1"), Held("r2", ("sea@1",)), Held("r3", ("gulf@2", "sea@1"))]
+    r._replicas = {x.replica_id: x for x in replicas}
+    r._replica_id_set = set(r._replicas)
+    r._update_multiplexed_model_ids_with_replicas(replicas)
+    prompt = [1, 2, 3, 4, 5, 6]
+    r.prefixes.insert_keys(r.prefixes.keys(prompt), "r1")  # the base's prompt went to r1
+
+    def pending(adapter: str) -> PendingRequest:
+        request = EngineRequest("q", prompt, SamplingParams(lora=adapter.split("@")[0]))
+        return PendingRequest(
+            [request], {}, RequestMetadata("q", "q", multiplexed_model_id=adapter)
+        )
+
+    async def chosen(adapter: str) -> list[str]:
+        ranks = await r.choose_replicas(replicas, pending(adapter))
+        return sorted(x.replica_id.unique_id for x in ranks[0])
+
+    async def scenario() -> None:
+        for _ in range(20):
+            assert await chosen("sea@1") == ["r2", "r3"]
+            assert await chosen("gulf@2") == ["r3"]
+        # An adapter no replica holds goes to one holding the fewest: r1, prefix or not.
+        assert await chosen("bay@3") == ["r1"]
+
+    asyncio.run(scenario())

@@ -134,7 +134,7 @@ def test_an_adapter_of_another_shape_is_refused(engine, tmp_path, tiny_llama):
         engine.set_lora("tiny", str(tmp_path))
 
 
-def test_at_most_max_loras_are_held_least_recently_used_out(smollm2_engine, adapters, prompts):
+def test_at_most_max_loras_are_held_least_recently_used_out_and_read_again(smollm2_engine, adapters, prompts):
     config = EngineConfig(
         device="cpu", dtype="float32", quantization="none", num_threads=2,
         kv_cache_memory_gib=0.05, max_loras=2,
@@ -143,9 +143,14 @@ def test_at_most_max_loras_are_held_least_recently_used_out(smollm2_engine, adap
     a, b, c = list(adapters)[:3]
     engine.set_lora(a, str(adapters[a]))
     engine.set_lora(b, str(adapters[b]))
+    first = ids(engine.generate([prompts[0]], greedy(b)))
     engine.generate([prompts[0]], greedy(a))  # a is now the most recently used
     engine.set_lora(c, str(adapters[c]))
     assert engine.adapters.names() == [a, c]
+    # b's weights went for room; a request naming it reads them again (a goes now).
+    assert ids(engine.generate([prompts[0]], greedy(b))) == first
+    assert engine.adapters.names() == [c, b]
+    engine.set_lora(b, None)  # unloaded: no request runs it again
     with pytest.raises(NotFoundError):
         engine.add_request("gone", prompts[0], greedy(b))
 

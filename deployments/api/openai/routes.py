@@ -19,6 +19,7 @@ from deployments.api.openai.schema import (
     EmbeddingRequest,
     sampling_params,
 )
+from deployments.http.adapters import named_adapter
 from deployments.http.errors import error_body
 from deployments.http.generation import Generation, OutputState
 from deployments.http.run_all import run_all
@@ -39,7 +40,7 @@ async def list_models(ingress: IngressDep) -> dict:
     embedding = ingress.embedding_models()
     cards = [_card(ingress, name) for name in generative + embedding]
     cards += [
-        _adapter_card(ingress, n, a) for n in generative for a in ingress.model(n).engine.loras
+        _adapter_card(ingress, n, a) for n in generative for a in ingress.loras.of(ingress.model(n))
     ]
     models = [_entry(name, await _capabilities(ingress, name)) for name in generative]
     models += [_entry(name, ["embedding"]) for name in embedding]
@@ -49,7 +50,9 @@ async def list_models(ingress: IngressDep) -> dict:
 async def get_model(model_id: str, ingress: IngressDep) -> dict:
     if model_id in ingress.embedding_models():
         return _card(ingress, model_id)
-    return _card(ingress, ingress.model(model_id).name)
+    name = ingress.model(model_id).name
+    adapter = named_adapter(name)
+    return _card(ingress, name) if adapter is None else _adapter_card(ingress, name, adapter)
 
 
 def _card(ingress: Ingress, name: str) -> dict:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments import context_rebalance
+from deployments.api.lora_calls import listed, load_lora, unload_lora
 from deployments.api.operator_calls import OperatorAction, manage, operator_call
 from deployments.http.caller import caller_of
 from deployments.http.host_detail import without_host_detail
@@ -143,6 +144,39 @@ async def inference_rebalance(ingress: IngressDep, alias: Alias) -> dict:
 
 
 # ---- shutdown and logs ------------------------------------------------------------------
+# ---- LoRA adapters (the same as vLLM's /v1/load_lora_adapter, deployments/api/lora_calls.py)
+AdapterName = Annotated[str, Query(alias="name", min_length=1, max_length=128)]
+
+
+@router.get("/api/lora-adapters")
+async def lora_adapters(ingress: IngressDep, request: Request) -> dict:
+    """Every served model's adapters; their directories to the operator only."""
+    found = listed(ingress)
+    if not caller_of(request).operator:
+        found = [{k: v for k, v in a.items() if k != "path"} for a in found]
+    return {"adapters": found}
+
+
+@router.get("/api/lora-adapters/load", dependencies=[OperatorAction])
+async def lora_load(
+    ingress: IngressDep,
+    name: AdapterName,
+    path: Annotated[str, Query(min_length=1, max_length=1024)],
+    alias: Annotated[str | None, Query(max_length=256)] = None,
+    replace: bool = False,
+) -> dict:
+    """Load the PEFT adapter at `path` (under models_dir) as `name` for the model
+    `alias` names (default: the first served)."""
+    model = await load_lora(ingress, alias, name, path, replace)
+    return {"model": model, "name": name, "status": "loaded"}
+
+
+@router.get("/api/lora-adapters/unload", dependencies=[OperatorAction])
+async def lora_unload(ingress: IngressDep, name: AdapterName) -> dict:
+    await unload_lora(ingress, name)
+    return {"name": name, "status": "unloaded"}
+
+
 @router.get("/api/shutdown", dependencies=[OperatorAction])
 async def shutdown(ingress: IngressDep) -> dict:
     """Drain: no new requests; open streams finish; then the app is deleted."""

@@ -11,6 +11,7 @@ from deployments.state import (  # noqa: F401 (tables)
     downloads,
     files,
     inference,
+    lora_adapters,
     responses,
 )
 from deployments.state.base import Base

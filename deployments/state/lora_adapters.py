@@ -1,0 +1,55 @@
+"""The LoRA adapters loaded at run time, one row each, in the operator's database: a
+restarted operator (and every ingress replica, which follows it) still knows them."""
+
+from sqlalchemy import Integer, String, select
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from deployments.state.base import Base, now
+from deployments.state.database import Database
+
+
+class LoraAdapterRow(Base):
+    __tablename__ = "lora_adapters"
+
+    app: Mapped[str] = mapped_column(String(128), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    path: Mapped[str] = mapped_column(String(1024))
+    created: Mapped[int] = mapped_column(Integer)
+
+
+class LoraAdapterStore:
+    """Rows are the Serve application's; a name is unique in an app (a request may name
+    an adapter alone)."""
+
+    def __init__(self, db: Database, app: str) -> None:
+        self.db, self.app = db, app
+
+    def all(self) -> dict[str, dict[str, str]]:
+        """model -> adapter -> directory."""
+        with Session(self.db.engine) as session:
+            rows = session.scalars(
+                select(LoraAdapterRow).filter_by(app=self.app).order_by(LoraAdapterRow.created)
+            )
+            found: dict[str, dict[str, str]] = {}
+            for row in rows:
+                found.setdefault(row.model, {})[row.name] = row.path
+            return found
+
+    def get(self, name: str) -> tuple[str, str] | None:
+        """(model, directory) of adapter `name`."""
+        with Session(self.db.engine) as session:
+            row = session.get(LoraAdapterRow, (self.app, name))
+            return None if row is None else (row.model, row.path)
+
+    def save(self, model: str, name: str, path: str) -> None:
+        with Session(self.db.engine) as session, session.begin():
+            row = LoraAdapterRow(app=self.app, name=name, model=model, path=path, created=now())
+            session.merge(row)
+
+    def delete(self, name: str) -> bool:
+        with Session(self.db.engine) as session, session.begin():
+            row = session.get(LoraAdapterRow, (self.app, name))
+            if row is not None:
+                session.delete(row)
+            return row is not None
