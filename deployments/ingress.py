@@ -205,7 +205,7 @@ class Ingress:
         path = named_adapter_path(model) if params.lora is not None else None
         request = EngineRequest(rid, list(prompt_ids), params, context, tuple(images), path)
         timer = TokenTimer(self.metrics, model, len(prompt_ids))
-        handle = self.loras.handle(model, self._streams[model], params.lora, path)
+        handle = self.loras.handle(model, self._streams[model], params.lora)
         tokenizer = self.tokenizers[model]
         gen = Generation(handle, tokenizer, request, stop, timer, detok_prefix, reasoning)
         await gen.start()

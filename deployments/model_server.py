@@ -29,7 +29,7 @@ from deployments.context_moves import ContextMoves
 from deployments.http.generation import ENGINE_UNAVAILABLE
 from deployments.pacing import StreamPacer
 from deployments.registry import HEARTBEAT_S, KEEPALIVE_S, runtime_info
-from deployments.replica_adapters import ReplicaAdapters
+from deployments.replica_adapters import ReplicaAdapters, keyed_engine_config
 from deployments.routing_state import SharedRouting
 from deployments.shard_actor import ShardGroup
 
@@ -73,7 +73,9 @@ class ModelServer:
                 # The step loop runs in a child process with its own thread count, so this
                 # process's event loop, which handles every token of every stream, never
                 # holds the GIL against it.
-                engine = EngineProcess(config.engine, tp_master=master, on_death=self._engine_died)
+                engine = EngineProcess(
+                    keyed_engine_config(config.engine), master, on_death=self._engine_died
+                )
             except BaseException:
                 self.shards.stop()
                 raise
@@ -175,10 +177,10 @@ class ModelServer:
             self._streams -= 1
             self._activity.set()
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Load a LoRA adapter here now (the API's load call: a bad one is refused before
-        any request names it)."""
-        await self.adapters.hold(name, path)
+    async def load_adapter(self, key: str, path: str) -> None:
+        """Load a LoRA adapter (its adapter_id) here now: the API's load call, so that a
+        bad one is refused before any request names it."""
+        await self.adapters.load(key, path)
 
     # ---- contexts -------------------------------------------------------------------
     async def context_tokens(self, op: ContextOp) -> list[int]:

@@ -1,13 +1,16 @@
 """ReplicaAdapters: the LoRA adapters a ModelServer replica holds, as Serve's model
 multiplexing sees them.
 
-A request that runs an adapter names it in its sampling params and carries the
-adapter's directory (`EngineRequest.lora_path`); the ingress sends it with the adapter's
-`adapter_id` as Serve's `multiplexed_model_id`. The replica makes sure its engine holds
-the adapter before the request goes in, through Serve's `@serve.multiplexed` loader:
-Serve then knows which adapters each replica holds (at most `max_loras`, least recently
-used out, as in the engine) and the model's router (affinity_router.py) sends a request
-to a replica that holds its adapter first, else to one holding the fewest.
+An adapter load is known everywhere by its `adapter_id`: its name, directory and load
+version (a load that replaces one of the same name, even from the same directory, is a
+new id). The ingress puts the id in a request's sampling params (the engine holds
+adapters by id, so two loads of one name never share a slot) and its directory in
+`EngineRequest.lora_path`, and sends it with the id as Serve's `multiplexed_model_id`. The
+replica makes sure its engine holds the adapter before the request goes in, through
+Serve's `@serve.multiplexed` loader: Serve then knows which adapters each replica holds
+(at most `max_loras`, least recently used out, as in the engine) and the model's router
+(affinity_router.py) sends a request to a replica that holds its adapter first, else to
+one holding the fewest.
 
 The engine alone decides what its memory holds (app/engine/adapters.py): an adapter that
 Serve still lists but the engine dropped for room is read again when a request names
@@ -15,18 +18,32 @@ it, so the two views differing costs a read, never a wrong answer.
 """
 
 import hashlib
+import logging
 from typing import Any
 
 from ray import serve
 
 from app.engine.client import EngineClient
+from app.engine.config import EngineConfig
+from app.protocol.errors import InvalidRequestError, UnavailableError
+
+logger = logging.getLogger("ray.serve")
 
 
-def adapter_id(name: str, path: str) -> str:
-    """The multiplexed model id of adapter `name` read from `path`: loading another
-    directory under the same name is another id, so no router takes a replica holding
-    the old one for a holder of the new."""
-    return f"{name}@{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+def adapter_id(name: str, path: str, version: int = 0) -> str:
+    """The id of adapter `name` as loaded from `path` at `version` (0: the config's)."""
+    digest = hashlib.sha256(f"{path}\n{version}".encode()).hexdigest()[:12]
+    return f"{name}@{digest}"
+
+
+def keyed_engine_config(engine: EngineConfig) -> EngineConfig:
+    """The engine config a replica runs: its config adapters held by their ids."""
+    loras = {adapter_id(name, path): path for name, path in engine.loras.items()}
+    return engine.model_copy(update={"loras": loras})
+
+
+def adapter_name(key: str) -> str:
+    return key.rpartition("@")[0] or key
 
 
 def _in_serve_replica() -> bool:
@@ -40,21 +57,31 @@ def _in_serve_replica() -> bool:
 class ReplicaAdapters:
     def __init__(self, engine: EngineClient, max_loras: int) -> None:
         self.engine = engine
-        self._paths: dict[str, tuple[str, str]] = {}  # adapter_id -> (name, path)
+        self._paths: dict[str, str] = {}  # adapter_id -> directory
 
-        async def load(model_id: str) -> str:
-            name, path = self._paths[model_id]
-            await self.engine.set_lora(name, path)
-            return model_id
+        async def load(key: str) -> str:
+            await self.engine.set_lora(key, self._paths[key])
+            return key
 
         # A function, not a bound method: Serve keeps its cache on the object it wraps.
         self._load: Any = load
         if max_loras > 0 and _in_serve_replica():
             self._load = serve.multiplexed(max_num_models_per_replica=max_loras)(load)
 
-    async def hold(self, name: str, path: str) -> None:
-        """Make the engine hold adapter `name` from `path`, the most recently used (400
-        when it cannot be read or does not fit the model)."""
-        key = adapter_id(name, path)
-        self._paths[key] = (name, path)
+    async def load(self, key: str, path: str) -> None:
+        """Load an adapter now (the API's load call): one that cannot be read or does not
+        fit the model is a 400, with the reason, before any request names it."""
+        self._paths[key] = path
         await self._load(key)
+
+    async def hold(self, key: str, path: str) -> None:
+        """Make the engine hold the adapter a request runs, now the most recently used.
+        Its files failing now (they were read once, at its load) is the server's fault: a
+        503 that names no path; the reason goes to the log."""
+        try:
+            await self.load(key, path)
+        except InvalidRequestError as exc:
+            logger.warning("LoRA adapter %s: %s", key, exc.message)
+            raise UnavailableError(
+                f"LoRA adapter {adapter_name(key)!r} cannot be read on this replica now"
+            ) from None

@@ -9,6 +9,7 @@ stack of adapters, StepAdapters, lets them go: at the next set of stacked adapte
 the next step without any).
 """
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -19,8 +20,10 @@ import torch
 from app.engine.sequence import Sequence
 from app.models.loader import LoadedModel
 from app.models.lora import LoraAdapter, LoraError, load_peft_adapter
-from app.models.lora_batch import LoraBatch, StackedLoras
-from app.protocol.errors import InvalidRequestError, NotFoundError
+from app.models.lora_batch import MIN_ROWS, LoraBatch, StackedLoras
+from app.protocol.errors import InvalidRequestError, NotFoundError, UnavailableError
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterTable:
@@ -77,7 +80,11 @@ class AdapterTable:
         if adapter is None:
             if name not in self._paths:
                 raise NotFoundError(f"no LoRA adapter {name!r} is loaded", "model")
-            return self.load(name, self._paths[name])
+            try:
+                return self.load(name, self._paths[name])
+            except InvalidRequestError as exc:  # read once, so the server's fault now
+                logger.warning("LoRA adapter %s: %s", name, exc.message)
+                raise UnavailableError(f"LoRA adapter {name!r} cannot be read now") from None
         self._held.move_to_end(name)
         return adapter
 
@@ -116,7 +123,7 @@ class StepAdapters:
         runs = tuple(_runs(seqs, counts, set(stacked.uids) if stacked else set()))
         if stacked is None:
             return LoraBatch(runs)
-        widest = max(len(rows[uid]) for uid in stacked.uids)
+        widest = max(MIN_ROWS, *(len(rows[uid]) for uid in stacked.uids))
         gather = np.full((len(stacked.uids), widest), row, dtype=np.int64)  # row: past all
         for i, uid in enumerate(stacked.uids):
             gather[i, : len(rows[uid])] = rows[uid]

@@ -1,7 +1,7 @@
 """A step's LoRA adapters and their rows, applied beside the base projections.
 
-Two ways, one result, to the bit (on a CPU; on a GPU cuBLAS may choose other kernels for
-other shapes). Where a step's rows are spread evenly over adapters of one shape (the
+Two ways, one result, to the bit, whatever the rows' count (MIN_ROWS; on a CPU: on a GPU
+cuBLAS may choose other kernels for other shapes). Where a step's rows are spread evenly over adapters of one shape (the
 same rank and targets: fine-tunes of one recipe), it runs Punica's and S-LoRA's batched
 shrink and expand: those adapters stacked, each one's rows a block of its own (padded
 to the longest), one batched matmul for all of them per shrink and per part's
@@ -23,6 +23,13 @@ import torch.nn.functional as F
 from app.models.lora import LoraAdapter
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# Every product runs over at least this many rows (zero rows padding a shorter run or
+# block): BLAS takes other kernels, with other sums, for a few rows (on this CPU's MKL
+# for 1-3, 5-7 and 9-11 of them), and after the int8-quantized activations of a
+# quantized base (app/models/quant) one ulp can flip a quantization step. Padded, a
+# row's result does not depend on how many rows share its step: a prompt's last rows
+# after a cached prefix, or a decode beside others, get what they get alone.
+MIN_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -94,10 +101,15 @@ class LoraBatch:
             if fused is None:
                 continue
             a, parts = fused
-            shrunk = x[start:end] @ a
+            pad = max(0, MIN_ROWS - (end - start))
+            shrunk = (F.pad(x[start:end], (0, 0, 0, pad)) if pad else x[start:end]) @ a
             rows = base[start:end]
             for column, r0, r1, b in parts:  # each part's expansion into its own columns
-                rows[:, column : column + b.shape[1]].addmm_(shrunk[:, r0:r1], b)
+                cols = rows[:, column : column + b.shape[1]]
+                if not pad:
+                    cols.addmm_(shrunk[:, r0:r1], b)
+                else:  # on a padded copy, the real rows written back
+                    cols.copy_(F.pad(cols, (0, 0, 0, pad)).addmm_(shrunk[:, r0:r1], b)[:-pad])
         return base
 
     def _blocks(self, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -64,6 +64,14 @@ class OverloadedError(ShoalError):
         self.retry_after_s = retry_after_s
 
 
+class UnavailableError(ShoalError):
+    """What a request needs cannot be had on the server now (a LoRA adapter whose files
+    cannot be read any more): not the client's fault, and the details are the server's."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class NotFoundError(ShoalError):
     status_code = 404
     error_type = "not_found_error"

@@ -10,15 +10,18 @@ unloaded adapter is named by no request again; a replica frees its weights when 
 adapters need the room.
 """
 
+import time
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
 from deployments.api.operator_calls import operator_call
 from deployments.http.adapters import checked_name
-from deployments.http.generation import overloaded
+from deployments.http.generation import overloaded, replica_failure
 from deployments.ingress import Ingress, unwrap
+from deployments.replica_adapters import adapter_id
 
 
 def listed(ingress: Ingress) -> list[dict[str, Any]]:
@@ -31,7 +34,7 @@ def listed(ingress: Ingress) -> list[dict[str, Any]]:
             "source": "config" if name in m.engine.loras else "runtime",
         }
         for m in ingress.served_models()
-        for name, path in ingress.loras.of(m).items()
+        for name, (path, _) in ingress.loras.of(m).items()
     ]
 
 
@@ -39,8 +42,8 @@ async def load_lora(
     ingress: Ingress, model: str | None, name: str, path: str, replace: bool = False
 ) -> str:
     """Load adapter `name` from `path` for `model` (default: the first served model);
-    returns the model's name. `replace`: a run-time adapter of that name is read anew
-    (vLLM's `load_inplace`)."""
+    returns the model's name. Every load is a new version, read anew by the replicas
+    (`replace`: of a run-time adapter of that name, vLLM's `load_inplace`)."""
     config = ingress.model(ingress.default_model(model))
     checked_name(name, ingress.served_models())
     holder = next((m for m in ingress.served_models() if name in ingress.loras.of(m)), None)
@@ -51,18 +54,22 @@ async def load_lora(
     if config.engine.max_loras < 1:
         raise InvalidRequestError(f"model {config.name!r} takes no LoRA adapters (max_loras 0)")
     path = ingress.loras.checked_path(path)
-    handle = ingress.loras.handle(config.name, ingress.handle(config.name), name, path)
+    version = time.time_ns() // 1000  # a new id: no replica takes an earlier read for it
+    key = adapter_id(name, path, version)
+    handle = ingress.loras.handle(config.name, ingress.handle(config.name), key)
     try:
-        await handle.load_adapter.remote(name, path)
+        await handle.load_adapter.remote(key, path)
     except BackPressureError as exc:
         raise overloaded(exc) from None
+    except RayActorError as exc:
+        raise replica_failure(exc) from None
     except Exception as exc:
         raise unwrap(exc) from None
     if ingress.operator is not None:
-        await operator_call(ingress, "add_lora", config.name, name, path, replace)
-    if holder is not None:
-        ingress.loras.runtime[holder.name].pop(name, None)
-    ingress.loras.runtime.setdefault(config.name, {})[name] = path
+        await operator_call(ingress, "add_lora", config.name, name, path, version, replace)
+    for held in ingress.loras.runtime.values():
+        held.pop(name, None)
+    ingress.loras.runtime.setdefault(config.name, {})[name] = (path, version)
     return config.name
 
 

@@ -18,8 +18,10 @@ from app.protocol.sampling import SamplingParams
 from deployments.replica_adapters import adapter_id
 
 MAX_HANDLES = 1024
-# (model, adapter, its directory) of the current request
-_named: ContextVar[tuple[str, str, str] | None] = ContextVar("shoal_adapter", default=None)
+# A model's adapters: name -> (directory, load version; 0 for the config's).
+Adapters = dict[str, tuple[str, int]]
+# (model, adapter, its directory, its adapter_id) of the current request
+_named: ContextVar[tuple[str, str, str, str] | None] = ContextVar("shoal_adapter", default=None)
 
 
 class LoraAdapters:
@@ -27,16 +29,16 @@ class LoraAdapters:
         # Run-time adapters may only be read from under here (as downloads land): an API
         # call never names an arbitrary file of the server's.
         self.models_dir = Path(models_dir).expanduser()
-        self.runtime: dict[str, dict[str, str]] = {}  # model -> adapter -> directory
+        self.runtime: dict[str, Adapters] = {}  # model -> its adapters loaded at run time
         self._handles: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def handle(self, model: str, handle: Any, adapter: str | None, path: str | None) -> Any:
-        """`handle` (model's) for a call that runs `adapter` read from `path`: Serve's
-        multiplexing sends it to a replica holding the adapter (replica_adapters.py).
-        Kept: a handle's `.options()` costs more than a request should pay."""
-        if adapter is None or path is None:
+    def handle(self, model: str, handle: Any, adapter: str | None) -> Any:
+        """`handle` (model's) for a call that runs the adapter whose adapter_id is
+        `adapter`: Serve's multiplexing sends it to a replica holding it
+        (replica_adapters.py). Kept: `.options()` costs more than a request should pay."""
+        if adapter is None:
             return handle
-        key = (model, adapter_id(adapter, path))
+        key = (model, adapter)
         kept = self._handles.get(key)
         if kept is None or kept[0] is not handle:  # new, or the model's handle changed
             if len(self._handles) >= MAX_HANDLES:
@@ -44,9 +46,11 @@ class LoraAdapters:
             kept = self._handles[key] = (handle, handle.options(multiplexed_model_id=key[1]))
         return kept[1]
 
-    def of(self, model: Any) -> dict[str, str]:
-        """Adapter name -> directory, for the ModelDeploymentConfig `model`."""
-        return {**model.engine.loras, **self.runtime.get(model.name, {})}
+    def of(self, model: Any) -> Adapters:
+        """The adapters of the ModelDeploymentConfig `model`: the config's win over a run
+        time's of the same name (a row left from before a config change)."""
+        config = {name: (path, 0) for name, path in model.engine.loras.items()}
+        return {**self.runtime.get(model.name, {}), **config}
 
     def find(self, models: list[Any], name: str) -> Any:
         """The ModelDeploymentConfig among `models` that has the adapter `name` names, the
@@ -63,7 +67,8 @@ class LoraAdapters:
                 raise NotFoundError(f"model {base!r} has no LoRA adapter {adapter!r}", "model")
             if (of_base and adapter in loras) or name in loras:
                 chosen = adapter if of_base else name
-                _named.set((model.name, chosen, loras[chosen]))
+                path, version = loras[chosen]
+                _named.set((model.name, chosen, path, adapter_id(chosen, path, version)))
                 return model
         return None
 
@@ -104,11 +109,12 @@ def named_adapter_path(model: str) -> str | None:
 
 
 def with_named_adapter(model: str, params: SamplingParams) -> SamplingParams:
-    """`params` with the adapter of `model` the current request named, if any."""
-    adapter = named_adapter(model)
-    if adapter is None or params.lora is not None:
+    """`params` with the adapter of `model` the current request named, if any, by its
+    adapter_id (the engine holds adapters by id)."""
+    named = _named.get()
+    if named is None or named[0] != model or params.lora is not None:
         return params
-    return params.model_copy(update={"lora": adapter})
+    return params.model_copy(update={"lora": named[3]})
 
 
 def forget_named_adapter() -> Any:

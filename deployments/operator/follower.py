@@ -64,6 +64,7 @@ class EventFollower:
         self.replica = _replica_id()
         self._reporter: asyncio.Task | None = None
         self._retry = False  # an alias failed to load here: try again at the next poll
+        self._adapters_retry = False
         # Set once the first poll has fixed where this replica starts in the log: a client
         # that joins before it would miss what the first batch held.
         self.ready = asyncio.Event()
@@ -87,7 +88,8 @@ class EventFollower:
             changed = _names(events, "inference_status")
             if first or restarted or batch["lost"] or changed or self._retry:
                 await self._sync_models()
-            if first or restarted or batch["lost"] or _names(events, "lora_adapters"):
+            adapters = _names(events, "lora_adapters") or self._adapters_retry
+            if first or restarted or batch["lost"] or adapters:
                 await self._sync_adapters()
             for event in events:
                 if _is_drain(event):
@@ -122,10 +124,12 @@ class EventFollower:
 
     async def _sync_adapters(self) -> None:
         """The LoRA adapters loaded at run time, as the operator's database has them."""
+        self._adapters_retry = False
         try:
             self.ingress.loras.runtime = await self.operator.lora_adapters.remote()
         except Exception as exc:
             logger.warning("operator adapters unavailable: %r", exc)
+            self._adapters_retry = True  # at the next poll
 
     def _drain(self) -> None:
         self.ingress.admission.draining = True

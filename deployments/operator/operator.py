@@ -179,16 +179,18 @@ class Operator:
         }
 
     # ---- LoRA adapters loaded at run time (deployments/api/lora_calls.py) -------------------
-    def lora_adapters(self) -> dict[str, dict[str, str]]:
-        """model -> adapter -> directory."""
+    def lora_adapters(self) -> dict[str, dict[str, tuple[str, int]]]:
+        """model -> adapter -> (directory, load version)."""
         return self.loras.all()
 
-    async def add_lora(self, model: str, name: str, path: str, replace: bool = False) -> None:
+    async def add_lora(
+        self, model: str, name: str, path: str, version: int, replace: bool = False
+    ) -> None:
         """Record an adapter an ingress loaded; every ingress follows (a `lora_adapters`
         event). One of that name is a 400 unless `replace`."""
         if self.loras.get(name) is not None and not replace:
             raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.")
-        self.loras.save(model, name, path)
+        self.loras.save(model, name, path, version)
         self.events.publish("lora_adapters", {"model": model, "name": name, "state": "loaded"})
 
     async def remove_lora(self, name: str) -> bool:

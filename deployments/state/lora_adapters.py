@@ -1,7 +1,7 @@
 """The LoRA adapters loaded at run time, one row each, in the operator's database: a
 restarted operator (and every ingress replica, which follows it) still knows them."""
 
-from sqlalchemy import Integer, String, select
+from sqlalchemy import BigInteger, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from deployments.state.base import Base, now
@@ -15,6 +15,7 @@ class LoraAdapterRow(Base):
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     model: Mapped[str] = mapped_column(String(256))
     path: Mapped[str] = mapped_column(String(1024))
+    version: Mapped[int] = mapped_column(BigInteger)  # the load's, in its adapter_id
     created: Mapped[int] = mapped_column(Integer)
 
 
@@ -25,15 +26,15 @@ class LoraAdapterStore:
     def __init__(self, db: Database, app: str) -> None:
         self.db, self.app = db, app
 
-    def all(self) -> dict[str, dict[str, str]]:
-        """model -> adapter -> directory."""
+    def all(self) -> dict[str, dict[str, tuple[str, int]]]:
+        """model -> adapter -> (directory, load version)."""
         with Session(self.db.engine) as session:
             rows = session.scalars(
                 select(LoraAdapterRow).filter_by(app=self.app).order_by(LoraAdapterRow.created)
             )
             found: dict[str, dict[str, str]] = {}
             for row in rows:
-                found.setdefault(row.model, {})[row.name] = row.path
+                found.setdefault(row.model, {})[row.name] = (row.path, row.version)
             return found
 
     def get(self, name: str) -> tuple[str, str] | None:
@@ -42,10 +43,10 @@ class LoraAdapterStore:
             row = session.get(LoraAdapterRow, (self.app, name))
             return None if row is None else (row.model, row.path)
 
-    def save(self, model: str, name: str, path: str) -> None:
+    def save(self, model: str, name: str, path: str, version: int) -> None:
         with Session(self.db.engine) as session, session.begin():
-            row = LoraAdapterRow(app=self.app, name=name, model=model, path=path, created=now())
-            session.merge(row)
+            fields = dict(model=model, path=path, version=version, created=now())
+            session.merge(LoraAdapterRow(app=self.app, name=name, **fields))
 
     def delete(self, name: str) -> bool:
         with Session(self.db.engine) as session, session.begin():

@@ -134,7 +134,9 @@ def test_an_adapter_of_another_shape_is_refused(engine, tmp_path, tiny_llama):
         engine.set_lora("tiny", str(tmp_path))
 
 
-def test_at_most_max_loras_are_held_least_recently_used_out_and_read_again(smollm2_engine, adapters, prompts):
+def test_at_most_max_loras_are_held_least_recently_used_out_and_read_again(
+    smollm2_engine, adapters, prompts
+):
     config = EngineConfig(
         device="cpu", dtype="float32", quantization="none", num_threads=2,
         kv_cache_memory_gib=0.05, max_loras=2,
@@ -188,6 +190,18 @@ def test_a_quantized_base_keeps_its_kernels_beside_the_adapters(
     batch = [(name, p) for name in names for p in range(len(prompts))]
     mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
     assert mixed == [alone[name][p] for name, p in batch]
+    # After a cached prefix only a prompt's last rows run: the same logprobs to the bit
+    # (the adapters' products never depend on how many rows share a step; int8
+    # activations would turn an ulp into another token).
+    fresh = LLMEngine(config, loaded=smollm2_quantized.loaded)
+    prompt = (prompts[0] * 3)[: 2 * fresh.config.block_size + 5]  # 5 rows after the hit
+    for name in names[1:]:
+        sampled = greedy(name).model_copy(update={"logprobs": 1})
+        cold = fresh.generate([prompt], sampled)[0].outputs[0]
+        hits = fresh.block_manager.prefix_hit_tokens
+        warm = fresh.generate([prompt], sampled)[0].outputs[0]
+        assert fresh.block_manager.prefix_hit_tokens > hits
+        assert [lp.logprob for lp in warm.logprobs] == [lp.logprob for lp in cold.logprobs]
 
 
 def test_a_config_s_adapters_fit_max_loras_and_their_names_parse():

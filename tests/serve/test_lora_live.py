@@ -21,6 +21,7 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(base_url, client,
     root = Path(os.environ["SHOAL_MODELS_DIR"])
     settings = dict(r=8, lora_alpha=32, target_modules=ATTENTION + MLP)
     make_adapter(smollm2_hf, root / "adapters" / "live", 3, settings)
+    make_adapter(smollm2_hf, root / "adapters" / "other", 4, settings)
 
     def chat(model: str) -> str:
         reply = client.chat.completions.create(
@@ -45,6 +46,14 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(base_url, client,
         ).items()
         ids = [m.id for m in client.models.list().data]
         assert f"{MODEL}:live" in ids
+        # Replaced in place by other weights, then by the first again: each load is read
+        # anew, though the replica still holds the earlier reads.
+        for path, want in (("adapters/other", None), ("adapters/live", tuned)):
+            body = {"lora_name": "live", "lora_path": path, "load_inplace": True}
+            replaced = httpx.post(f"{base_url}/v1/load_lora_adapter", json=body, timeout=120)
+            assert replaced.status_code == 200, replaced.text
+            now = chat("live")
+            assert now == want if want else now not in (tuned, base)
     finally:
         gone = httpx.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "live"})
     assert gone.status_code == 200, gone.text

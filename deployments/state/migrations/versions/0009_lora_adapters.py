@@ -21,6 +21,7 @@ def upgrade() -> None:
         sa.Column("name", sa.String(length=128), nullable=False),
         sa.Column("model", sa.String(length=256), nullable=False),
         sa.Column("path", sa.String(length=1024), nullable=False),
+        sa.Column("version", sa.BigInteger(), nullable=False),
         sa.Column("created", sa.Integer(), nullable=False),
         sa.PrimaryKeyConstraint("app", "name"),
     )
