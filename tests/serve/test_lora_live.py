@@ -37,7 +37,9 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(base_url, client,
         tuned = chat("live")
         assert tuned != base and chat(f"{MODEL}:live") == tuned
         reply = ollama.Client(host=base_url, timeout=120).chat(
-            model=f"{MODEL}:live", messages=ASK, options={"temperature": 0, "num_predict": 12}
+            model=f"{MODEL}:live",
+            messages=ASK,
+            options={"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0},
         )
         assert reply.message.content == tuned
         listed = httpx.get(f"{base_url}/api/lora-adapters").json()["adapters"]
