@@ -19,7 +19,7 @@ import torch
 
 from app.engine.sequence import Sequence
 from app.models.loader import LoadedModel
-from app.models.lora import LoraAdapter, LoraError, load_peft_adapter
+from app.models.lora import LoraAdapter, LoraError, load_adapter
 from app.models.lora_batch import MIN_ROWS, LoraBatch, StackedLoras
 from app.protocol.errors import InvalidRequestError, NotFoundError, UnavailableError
 
@@ -50,7 +50,7 @@ class AdapterTable:
             raise InvalidRequestError("LoRA adapters are off (engine.max_loras is 0)", "lora")
         device = self.model.model.norm.weight.device  # a float parameter, quantized or not
         try:
-            return load_peft_adapter(name, path, self.model, self.dtype, device)
+            return load_adapter(name, path, self.model, self.dtype, device)
         except LoraError as exc:
             raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "lora_path") from exc
 

@@ -78,20 +78,45 @@ class LoraAdapter:
         return sum(a.nbytes + sum(p[3].nbytes for p in parts) for a, parts in fused)
 
 
-def load_peft_adapter(
+def load_adapter(
     name: str, path: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device
 ) -> LoraAdapter:
-    """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) as an adapter
-    of `model` (a DecoderForCausalLM) computing in `dtype` on `device`."""
-    directory = Path(path)
+    """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) or a
+    llama.cpp LoRA GGUF file, as an adapter of `model` (a DecoderForCausalLM) computing
+    in `dtype` on `device`."""
+    source = Path(path)
+    if source.is_file() and source.suffix == ".gguf":
+        from app.models.lora_gguf import read_gguf_lora
+
+        try:
+            config, tensors = read_gguf_lora(source, model)
+        except ValueError as exc:
+            raise LoraError(str(exc)) from exc
+    else:
+        config, tensors = _read_peft(source)
+    return _adapter(name, config, tensors, model, dtype, device)
+
+
+def _read_peft(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     config = _read_config(directory)
     weights_file = directory / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoraError(f"{directory} has no adapter_model.safetensors")
     try:
-        tensors = load_file(str(weights_file))
+        return config, load_file(str(weights_file))
     except Exception as exc:  # safetensors' own errors name no common base class
         raise LoraError(f"{weights_file}: {exc}") from exc
+
+
+def _adapter(
+    name: str,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
+    """An adapter from PEFT's config and tensors (its key names)."""
     modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}  # PEFT's module names, as its patterns match them
     for key, tensor in tensors.items():
@@ -104,7 +129,7 @@ def load_peft_adapter(
         modules.setdefault(at, {})[match.group(4)] = tensor
         names[at] = match.group(1)
     if not modules:
-        raise LoraError(f"{weights_file} holds no LoRA weights")
+        raise LoraError(f"adapter {name!r} holds no LoRA weights")
     if model.tp.enabled:
         raise LoraError("LoRA adapters do not run with tensor parallelism")
     layers = model.model.layers

@@ -145,9 +145,9 @@ def iter_gguf(
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C", copy=True))
             weight = QuantizedTensor(raw, int(tensor.tensor_type), int(tensor.shape[0]))
             if permuted and ".q_proj." in name:
-                weight = weight.with_rows(_unpermute(weight.data, arch.num_heads))
+                weight = weight.with_rows(unpermute(weight.data, arch.num_heads))
             elif permuted and ".k_proj." in name:
-                weight = weight.with_rows(_unpermute(weight.data, arch.num_kv_heads))
+                weight = weight.with_rows(unpermute(weight.data, arch.num_kv_heads))
             yield name, weight
             continue
         try:
@@ -156,9 +156,9 @@ def iter_gguf(
             raise ModelLoadError(source.name, f"cannot decode tensor {tensor.name}: {exc}") from exc
         weights = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
         if permuted and ".q_proj." in name:
-            weights = _unpermute(weights, arch.num_heads)
+            weights = unpermute(weights, arch.num_heads)
         elif permuted and ".k_proj." in name:
-            weights = _unpermute(weights, arch.num_kv_heads)
+            weights = unpermute(weights, arch.num_kv_heads)
         if "{expert}" in name:  # (E, ...) -> one tensor per expert
             for e, expert in enumerate(weights):
                 yield name.format(expert=e), expert
@@ -168,7 +168,8 @@ def iter_gguf(
             yield name, weights
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """A q or k projection's rows (and a LoRA adapter's B for it) as HF orders them."""
     # Inverse of llama.cpp's convert permute: (nh, 2, hd/2, ...) <- (nh, hd/2, 2, ...)
     shape = w.shape
     return (

@@ -73,7 +73,8 @@ class LoraAdapters:
         return None
 
     def checked_path(self, path: str) -> str:
-        """`path` (relative: to models_dir) as a directory under models_dir; 400 if not."""
+        """`path` (relative: to models_dir) as a PEFT directory or a LoRA GGUF under
+        models_dir; 400 if not."""
         root = self.models_dir.resolve()
         full = (root / Path(path).expanduser()).resolve()
         if not full.is_relative_to(root):
@@ -81,8 +82,10 @@ class LoraAdapters:
                 f"lora_path must be a directory under the models directory {str(root)!r}",
                 "lora_path",
             )
-        if not full.is_dir():
-            raise InvalidRequestError(f"lora_path {path!r} is not a directory", "lora_path")
+        if not (full.is_dir() or (full.is_file() and full.suffix == ".gguf")):
+            raise InvalidRequestError(
+                f"lora_path {path!r} is neither a directory nor a .gguf file", "lora_path"
+            )
         return str(full)
 
 

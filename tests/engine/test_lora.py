@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from app.engine import EngineConfig, LLMEngine
+from app.models.source import default_model_path
 from app.protocol.errors import InvalidRequestError, NotFoundError
 from app.protocol.sampling import SamplingParams
 from tests.helpers import chat_ids
-from tests.lora_adapters import ATTENTION, MLP, make_adapter
+from tests.lora_adapters import ATTENTION, MLP, make_adapter, write_lora_gguf
 
 peft = pytest.importorskip("peft")
 
@@ -238,3 +239,23 @@ def test_adapters_of_one_shape_batched_together_equal_each_alone(
     batch = [(name, p) for p in range(len(prompts)) for name in same]
     mixed = ids(engine.generate([prompts[p] for _, p in batch], [greedy(n) for n, _ in batch]))
     assert mixed == [alone[name][p] for name, p in batch]
+
+
+def test_a_llama_cpp_lora_gguf_runs_as_its_peft_directory(engine, adapters, prompts, tmp_path):
+    """The file llama.cpp's convert_lora_to_gguf.py makes of a PEFT adapter (written here
+    as it writes it: its q and k in llama.cpp's rotary order) runs to the same logprobs,
+    bit for bit. llama.cpp keeps one alpha: the adapter with one rank and alpha."""
+    attn = engine.loaded.model.model.layers[0].self_attn
+    gguf_file = write_lora_gguf(
+        adapters["all8"], tmp_path / "all8.gguf", attn.num_heads, attn.num_kv_heads
+    )
+    engine.set_lora("all8-gguf", str(gguf_file))
+    sampled = [greedy(name).model_copy(update={"logprobs": 1}) for name in ("all8", "all8-gguf")]
+    peft_out, gguf_out = (engine.generate([prompts[0]], s)[0].outputs[0] for s in sampled)
+    assert [lp.logprob for lp in gguf_out.logprobs] == [lp.logprob for lp in peft_out.logprobs]
+    engine.set_lora("all8-gguf", None)
+    with pytest.raises(InvalidRequestError, match="not a LoRA adapter GGUF"):
+        engine.set_lora("base", str(default_model_path()))  # the base model's own GGUF
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF not really")
+    with pytest.raises(InvalidRequestError, match="not a GGUF file"):
+        engine.set_lora("junk", str(tmp_path / "junk.gguf"))
