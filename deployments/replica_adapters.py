@@ -25,7 +25,7 @@ from ray import serve
 
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
-from app.protocol.errors import InvalidRequestError, UnavailableError
+from app.protocol.errors import InvalidRequestError, ShoalError, UnavailableError
 
 logger = logging.getLogger("ray.serve")
 
@@ -80,7 +80,9 @@ class ReplicaAdapters:
         503 that names no path; the reason goes to the log."""
         try:
             await self.load(key, path)
-        except InvalidRequestError as exc:
+        except ShoalError as exc:  # from the engine's process: a RemoteError of its status
+            if exc.status_code != InvalidRequestError.status_code:
+                raise
             logger.warning("LoRA adapter %s: %s", key, exc.message)
             raise UnavailableError(
                 f"LoRA adapter {adapter_name(key)!r} cannot be read on this replica now"

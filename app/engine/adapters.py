@@ -52,7 +52,7 @@ class AdapterTable:
         try:
             return load_adapter(name, path, self.model, self.dtype, device)
         except LoraError as exc:
-            raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "lora_path") from exc
+            raise InvalidRequestError(f"LoRA adapter {shown(name)!r}: {exc}", "lora_path") from exc
 
     def hold(self, name: str, path: str | Path, adapter: LoraAdapter) -> None:
         """Hold `adapter`, read from `path`, as `name` (replacing one of that name); the
@@ -70,7 +70,7 @@ class AdapterTable:
     def forget(self, name: str) -> None:
         """Run `name` no more (requests under way keep it)."""
         if self._paths.pop(name, None) is None:
-            raise NotFoundError(f"no LoRA adapter {name!r} is loaded", "lora_name")
+            raise NotFoundError(f"no LoRA adapter {shown(name)!r} is loaded", "lora_name")
         self._held.pop(name, None)
 
     def take(self, name: str) -> LoraAdapter:
@@ -79,14 +79,22 @@ class AdapterTable:
         adapter = self._held.get(name)
         if adapter is None:
             if name not in self._paths:
-                raise NotFoundError(f"no LoRA adapter {name!r} is loaded", "model")
+                raise NotFoundError(f"no LoRA adapter {shown(name)!r} is loaded", "model")
             try:
                 return self.load(name, self._paths[name])
             except InvalidRequestError as exc:  # read once, so the server's fault now
                 logger.warning("LoRA adapter %s: %s", name, exc.message)
-                raise UnavailableError(f"LoRA adapter {name!r} cannot be read now") from None
+                raise UnavailableError(f"LoRA adapter {shown(name)!r} cannot be read now") from None
         self._held.move_to_end(name)
         return adapter
+
+
+def shown(name: str) -> str:
+    """An adapter's name as its requests name it: a serving replica holds each load under
+    `name@<digest of its directory and version>` (deployments/replica_adapters.py)."""
+    base, at, digest = name.rpartition("@")
+    hexdigits = set("0123456789abcdef")
+    return base if at and len(digest) == 12 and set(digest) <= hexdigits else name
 
 
 def adapter_order(seqs: Seq[Sequence], indices: list[int]) -> list[int]:

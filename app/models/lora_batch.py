@@ -29,7 +29,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # quantized base (app/models/quant) one ulp can flip a quantization step. Padded, a
 # row's result does not depend on how many rows share its step: a prompt's last rows
 # after a cached prefix, or a decode beside others, get what they get alone.
-MIN_ROWS = 16
+MIN_ROWS = 16  # on a CPU (on a GPU, cuBLAS makes no such promise to pad for)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class LoraBatch:
             if fused is None:
                 continue
             a, parts = fused
-            pad = max(0, MIN_ROWS - (end - start))
+            pad = max(0, MIN_ROWS - (end - start)) if x.is_cpu else 0
             shrunk = (F.pad(x[start:end], (0, 0, 0, pad)) if pad else x[start:end]) @ a
             rows = base[start:end]
             for column, r0, r1, b in parts:  # each part's expansion into its own columns
