@@ -4,6 +4,8 @@ and the ingress's broadcaster (a slow WebSocket client is dropped, not buffered)
 import asyncio
 import time
 
+import pytest
+
 from deployments.operator.events import EventLog
 from deployments.operator.follower import CLIENT_QUEUE, Broadcaster
 from tests.local_app import run
@@ -97,5 +99,38 @@ def test_metrics_events_follow_the_registry_down_to_no_replica(tmp_path, monkeyp
             assert replicas(after["events"]) == []  # said once
         finally:
             loop.cancel()
+
+    run(scenario())
+
+
+def test_run_time_adapters_are_kept_in_the_operator_s_database(tmp_path):
+    """The LoRA adapters loaded at run time: recorded (a second of one name is a 400
+    unless replaced), announced to the ingresses (`lora_adapters` events), and known to
+    an operator started again on the same database."""
+    from app.protocol.errors import InvalidRequestError
+    from deployments.config import AppConfig
+    from deployments.operator.operator import Operator
+
+    config = AppConfig.model_validate(
+        {
+            "embeddings": {"enabled": False},
+            "database": {"path": str(tmp_path / "shoal.sqlite3")},
+            "operator": {"models_dir": str(tmp_path / "models")},
+        }
+    )
+
+    async def scenario() -> None:
+        operator = Operator(config)
+        await operator.add_lora("m", "sea", "/models/sea", 1)
+        with pytest.raises(InvalidRequestError, match="already"):
+            await operator.add_lora("m", "sea", "/models/other", 2)
+        await operator.add_lora("m", "sea", "/models/other", 3, True)  # replaced
+        await operator.add_lora("m", "gulf", "/models/gulf", 4)
+        assert await operator.remove_lora("gulf") and not await operator.remove_lora("gulf")
+        events = (await operator.events.since(0, 0.1))["events"]
+        states = [(e["data"]["name"], e["data"]["state"]) for e in events]
+        assert states == [("sea", "loaded"), ("sea", "loaded"), ("gulf", "loaded"),
+                          ("gulf", "unloaded")]  # fmt: skip
+        assert Operator(config).lora_adapters() == {"m": {"sea": ("/models/other", 3)}}
 
     run(scenario())
