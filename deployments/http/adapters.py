@@ -76,13 +76,17 @@ class LoraAdapters:
         """`path` (relative: to models_dir) as a PEFT directory or a LoRA GGUF under
         models_dir; 400 if not."""
         root = self.models_dir.resolve()
-        full = (root / Path(path).expanduser()).resolve()
+        try:
+            full = (root / Path(path).expanduser()).resolve()
+            usable = full.is_dir() or (full.is_file() and full.suffix == ".gguf")
+        except (OSError, ValueError, RuntimeError) as exc:  # a NUL, a name too long, a loop
+            raise InvalidRequestError(f"lora_path: {exc}", "lora_path") from None
         if not full.is_relative_to(root):
             raise InvalidRequestError(
                 f"lora_path must be a directory under the models directory {str(root)!r}",
                 "lora_path",
             )
-        if not (full.is_dir() or (full.is_file() and full.suffix == ".gguf")):
+        if not usable:
             raise InvalidRequestError(
                 f"lora_path {path!r} is neither a directory nor a .gguf file", "lora_path"
             )

@@ -138,7 +138,8 @@ def test_adapters_load_and_unload_at_run_time_as_vllm_s_routes_do(served, models
             got["listed"] = (await http.get("/api/lora-adapters")).json()["adapters"]
             for name, path in (("out", str(models_dir.parent)), ("out2", "../"),
                                ("bad", "adapters/broken"), ("none", "adapters/nowhere"),
-                               ("a:b", "adapters/gulf"), (MODEL, "adapters/gulf")):  # fmt: skip
+                               ("a:b", "adapters/gulf"), (MODEL, "adapters/gulf"),
+                               ("nul", "adapters/\u0000"), ("long", "x" * 1000)):  # fmt: skip
                 r = await http.post(
                     "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
                 )
@@ -166,7 +167,7 @@ def test_adapters_load_and_unload_at_run_time_as_vllm_s_routes_do(served, models
     assert card["parent"] == MODEL and got["card"]["id"] == f"{MODEL}:gulf"
     listed = {a["name"]: a for a in got["listed"]}
     assert listed["gulf"]["source"] == "runtime" and listed["sea"]["source"] == "config"
-    for name in ("out", "out2", "bad", "none", "a:b", MODEL):
+    for name in ("out", "out2", "bad", "none", "a:b", MODEL, "nul", "long"):
         r = got[f"refused {name}"]
         assert r.status_code == 400 and "error" in r.json(), (name, r.text)
     assert got["config"].status_code == 400

@@ -19,6 +19,8 @@ NOT_HERE = {
     "kubectl": "needs a Kubernetes cluster (k8s/ is checked by tests/k8s)",
     "api/downloads/enqueue": "downloads from the Hugging Face Hub (tests/serve/test_operator_live.py "
     "runs the same calls against a local fixture hub)",
+    "load_lora_adapter": "needs a LoRA adapter under the models directory "
+    "(tests/serve/test_lora_live.py runs the same calls on a peft-made one)",
 }
 
 
