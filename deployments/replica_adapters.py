@@ -17,7 +17,6 @@ Serve still lists but the engine dropped for room is read again when a request n
 it, so the two views differing costs a read, never a wrong answer.
 """
 
-import hashlib
 import logging
 from typing import Any
 
@@ -26,24 +25,15 @@ from ray import serve
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
 from app.protocol.errors import InvalidRequestError, ShoalError, UnavailableError
+from app.protocol.lora_ids import adapter_id, shown
 
 logger = logging.getLogger("ray.serve")
-
-
-def adapter_id(name: str, path: str, version: int = 0) -> str:
-    """The id of adapter `name` as loaded from `path` at `version` (0: the config's)."""
-    digest = hashlib.sha256(f"{path}\n{version}".encode()).hexdigest()[:12]
-    return f"{name}@{digest}"
 
 
 def keyed_engine_config(engine: EngineConfig) -> EngineConfig:
     """The engine config a replica runs: its config adapters held by their ids."""
     loras = {adapter_id(name, path): path for name, path in engine.loras.items()}
     return engine.model_copy(update={"loras": loras})
-
-
-def adapter_name(key: str) -> str:
-    return key.rpartition("@")[0] or key
 
 
 def _in_serve_replica() -> bool:
@@ -85,5 +75,5 @@ class ReplicaAdapters:
                 raise
             logger.warning("LoRA adapter %s: %s", key, exc.message)
             raise UnavailableError(
-                f"LoRA adapter {adapter_name(key)!r} cannot be read on this replica now"
+                f"LoRA adapter {shown(key)!r} cannot be read on this replica now"
             ) from None

@@ -22,6 +22,7 @@ from app.models.loader import LoadedModel
 from app.models.lora import LoraAdapter, LoraError, load_adapter
 from app.models.lora_batch import MIN_ROWS, LoraBatch, StackedLoras
 from app.protocol.errors import InvalidRequestError, NotFoundError, UnavailableError
+from app.protocol.lora_ids import shown
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +88,6 @@ class AdapterTable:
                 raise UnavailableError(f"LoRA adapter {shown(name)!r} cannot be read now") from None
         self._held.move_to_end(name)
         return adapter
-
-
-def shown(name: str) -> str:
-    """An adapter's name as its requests name it: a serving replica holds each load under
-    `name@<digest of its directory and version>` (deployments/replica_adapters.py)."""
-    base, at, digest = name.rpartition("@")
-    hexdigits = set("0123456789abcdef")
-    return base if at and len(digest) == 12 and set(digest) <= hexdigits else name
 
 
 def adapter_order(seqs: Seq[Sequence], indices: list[int]) -> list[int]:

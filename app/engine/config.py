@@ -43,6 +43,13 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+def check_lora_name(name: str) -> None:
+    """ValueError unless `name` may name a LoRA adapter: requests name one as
+    `base:adapter`, and `:latest` is Ollama's tag."""
+    if not name or ":" in name or name == "latest" or len(name) > 128:
+        raise ValueError(f"a LoRA adapter's name may not be {name!r} or hold ':'")
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -170,9 +177,8 @@ class EngineConfig(BaseModel):
     def _loras_fit(self) -> "EngineConfig":
         if len(self.loras) > self.max_loras:
             raise ValueError(f"{len(self.loras)} loras, but max_loras is {self.max_loras}")
-        for name in self.loras:  # 'base:adapter' names them; ':latest' is Ollama's tag
-            if not name or ":" in name or name == "latest":
-                raise ValueError(f"a LoRA adapter's name may not be {name!r} or hold ':'")
+        for name in self.loras:
+            check_lora_name(name)
         return self
 
     @model_validator(mode="after")

@@ -1,17 +1,17 @@
 """A step's LoRA adapters and their rows, applied beside the base projections.
 
 Two ways, one result, to the bit, whatever the rows' count (MIN_ROWS; on a CPU: on a GPU
-cuBLAS may choose other kernels for other shapes). Where a step's rows are spread evenly over adapters of one shape (the
-same rank and targets: fine-tunes of one recipe), it runs Punica's and S-LoRA's batched
-shrink and expand: those adapters stacked, each one's rows a block of its own (padded
-to the longest), one batched matmul for all of them per shrink and per part's
-expansion, added in place to the rows' block (views of the step's rows where they are
-the stacked adapters' alone, in order; else gathered, and the real rows copied back).
-The stack is built when the step's set of adapters changes and kept while it does not
-(a stream's adapters stay the same step after step). Every other adapter's run of
-consecutive rows (the input batch puts a step's sequences of one adapter next to each
-other), and a step whose rows are uneven (one long prompt beside a few decodes would
-pad every block to its length), runs on its own.
+cuBLAS may choose other kernels for other shapes). Where a step's rows are spread evenly
+over adapters of one shape (the same rank and targets: fine-tunes of one recipe), it
+runs Punica's and S-LoRA's batched shrink and expand: those adapters stacked, each one's
+rows a block of its own (padded to the longest), one batched matmul for all of them per
+shrink and per part's expansion, added in place to the rows' block (views of the step's
+rows where they are the stacked adapters' alone, in order; else gathered, and the real
+rows copied back). The stack is built when the step's set of adapters changes and kept
+while it does not (a stream's adapters stay the same step after step). Every other
+adapter's run of consecutive rows (the input batch puts a step's sequences of one
+adapter next to each other), and a step whose rows are uneven (one long prompt beside a
+few decodes would pad every block to its length), runs on its own.
 """
 
 from collections.abc import Sequence as Seq

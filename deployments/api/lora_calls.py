@@ -17,11 +17,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app.protocol.errors import InvalidRequestError, NotFoundError
+from app.protocol.lora_ids import adapter_id
 from deployments.api.operator_calls import operator_call
 from deployments.http.adapters import checked_name
 from deployments.http.generation import overloaded, replica_failure
 from deployments.ingress import Ingress, unwrap
-from deployments.replica_adapters import adapter_id
 
 
 def listed(ingress: Ingress) -> list[dict[str, Any]]:

@@ -13,9 +13,10 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
+from app.engine.config import check_lora_name
 from app.protocol.errors import InvalidRequestError, NotFoundError
+from app.protocol.lora_ids import adapter_id
 from app.protocol.sampling import SamplingParams
-from deployments.replica_adapters import adapter_id
 
 MAX_HANDLES = 1024
 # A model's adapters: name -> (directory, load version; 0 for the config's).
@@ -96,8 +97,10 @@ class LoraAdapters:
 def checked_name(name: str, served: list[Any]) -> str:
     """A new adapter's name, as config adapters' names are checked (EngineConfig), and
     naming no served model."""
-    if not name or ":" in name or name == "latest" or len(name) > 128:
-        raise InvalidRequestError(f"a LoRA adapter's name may not be {name!r} or hold ':'")
+    try:
+        check_lora_name(name)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), "lora_name") from None
     if any(name in (m.name, *m.aliases) for m in served):
         raise InvalidRequestError(f"{name!r} names a served model", "lora_name")
     return name

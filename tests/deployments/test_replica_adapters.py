@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from app.engine.adapters import shown
 from app.protocol.errors import RemoteError, UnavailableError
-from deployments.replica_adapters import ReplicaAdapters, adapter_id
+from app.protocol.lora_ids import adapter_id, shown
+from deployments.replica_adapters import ReplicaAdapters
 
 
 class Engine:

@@ -2,7 +2,8 @@
 /v1/unload_lora_adapter {lora_name}, answered in plain text as vLLM does, errors in
 OpenAI's shape. Operator actions: an admin key, or a client on this machine when none is
 set (deployments/api/operator_calls.py). `model` (Shoal's) names the base when several
-are served; `lora_path` is a directory under the operator's models_dir."""
+are served; `lora_path` is a PEFT directory or a LoRA GGUF under the operator's
+models_dir."""
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
